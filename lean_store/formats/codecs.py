@@ -1,0 +1,145 @@
+"""Exact encode/decode between bit patterns and values.
+
+Formats with an ml_dtypes/numpy dtype use it (fast, and the reference for the field).
+Configured binary formats use gfloat, a maintained library of generic float arithmetic; the
+test suite checks both paths against each other on every code point up to 16 bits.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import gfloat
+import numpy as np
+
+from ..errors import FormatError
+from .model import BinaryFormat, BoolFormat, ComplexFormat, ExponentFormat, IntegerFormat, ScalarFormat
+
+
+@lru_cache(maxsize=256)
+def gfloat_info(fmt: BinaryFormat) -> gfloat.FormatInfo:
+    """The gfloat description of a binary format."""
+    f = fmt.fraction_bits
+    enc = fmt.encoding
+    return gfloat.FormatInfo(
+        fmt.tag,
+        k=fmt.width,
+        precision=f + 1,
+        bias=fmt.bias,
+        is_signed=True,
+        domain=gfloat.Domain.Extended if enc == "ieee" else gfloat.Domain.Finite,
+        has_nz=enc != "finite-unsigned-zero",
+        num_high_nans={"ieee": (1 << f) - 1, "finite-max-nan": 1}.get(enc, 0),
+        has_subnormals=True,
+        is_twos_complement=False,
+    )
+
+
+def check_bits(fmt: ScalarFormat, bits: Any) -> np.ndarray:
+    """``bits`` as an array of the format's storage dtype, with no bit set above the width."""
+    bits = np.asarray(bits)
+    if bits.dtype != fmt.storage_dtype:
+        if bits.dtype.kind not in "ui":
+            raise FormatError(f"bits of {fmt.tag} must be unsigned integers, got {bits.dtype}")
+        if bits.size and (bits.min() < 0 or int(bits.max()) >> fmt.word_width):
+            raise FormatError(f"bit patterns out of range for {fmt.word_width}-bit {fmt.tag}")
+        bits = bits.astype(fmt.storage_dtype)
+    width = fmt.word_width
+    if width < bits.dtype.itemsize * 8 and bits.size and int(bits.max()) >> width:
+        raise FormatError(f"bit patterns out of range for {width}-bit {fmt.tag}")
+    if fmt.words_per_value == 2 and (bits.ndim == 0 or bits.shape[-1] != 2):
+        raise FormatError(f"bits of {fmt.tag} need a trailing axis of 2 (real, imaginary)")
+    return bits
+
+
+def decode(fmt: ScalarFormat, bits: Any) -> np.ndarray:
+    """Values of ``bits``: float64 for floats, complex128 for complex, the integers themselves."""
+    bits = check_bits(fmt, bits)
+    if isinstance(fmt, ComplexFormat):
+        out = np.empty(bits.shape[:-1], dtype=np.complex128)
+        out.real = decode(fmt.component, bits[..., 0])
+        out.imag = decode(fmt.component, bits[..., 1])
+        return out
+    dtype = fmt.numpy_dtype
+    if isinstance(fmt, (IntegerFormat, BoolFormat)):
+        return bits.view(dtype).copy()
+    if dtype is not None:
+        with np.errstate(invalid="ignore"):
+            return bits.view(dtype).astype(np.float64)
+    assert isinstance(fmt, BinaryFormat)
+    return decode_generic(fmt, bits)
+
+
+def decode_generic(fmt: BinaryFormat, bits: np.ndarray) -> np.ndarray:
+    """gfloat's decode, for any binary format (also used to cross-check ml_dtypes)."""
+    flat = np.ascontiguousarray(bits, dtype=np.uint64).reshape(-1)
+    return np.asarray(gfloat.decode_ndarray(gfloat_info(fmt), flat), dtype=np.float64).reshape(
+        bits.shape
+    )
+
+
+def encode(fmt: ScalarFormat, values: Any) -> np.ndarray:
+    """Bit patterns of ``values`` under round-to-nearest-even and the format's special rules.
+
+    Overflow: ``ieee`` gives infinity, ``finite-max-nan`` and ``finite-unsigned-zero`` give NaN
+    (as ml_dtypes does), ``finite`` saturates to the largest finite value. NaN cannot be encoded
+    in a ``finite`` format and raises FormatError. Integers must be integral and in range.
+    """
+    if isinstance(fmt, ComplexFormat):
+        values = np.asarray(values, dtype=np.complex128)
+        real = encode(fmt.component, values.real)
+        imag = encode(fmt.component, values.imag)
+        return np.stack([real, imag], axis=-1)
+    if isinstance(fmt, BoolFormat):
+        arr = np.asarray(values)
+        if arr.dtype != np.bool_ and not np.isin(arr, (0, 1)).all():
+            raise FormatError("bool values must be 0 or 1")
+        return arr.astype(np.bool_).view(np.uint8)
+    if isinstance(fmt, IntegerFormat):
+        return _encode_integer(fmt, values)
+    values = np.asarray(values, dtype=np.float64)
+    if isinstance(fmt, BinaryFormat) and fmt.encoding == "finite" and np.isnan(values).any():
+        raise FormatError(f"{fmt.tag} has no NaN; cannot encode NaN values")
+    dtype = fmt.numpy_dtype
+    if dtype is not None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return values.astype(dtype).view(fmt.storage_dtype)
+    assert isinstance(fmt, BinaryFormat)
+    return encode_generic(fmt, values)
+
+
+def encode_generic(fmt: BinaryFormat, values: np.ndarray) -> np.ndarray:
+    """gfloat's round-then-encode for any binary format."""
+    info = gfloat_info(fmt)
+    flat = values.reshape(-1)
+    if fmt.encoding in ("finite-max-nan", "finite-unsigned-zero"):
+        # Out of range becomes NaN, as ml_dtypes does for fn/fnuz types.
+        rounded = gfloat.round_ndarray(info, np.where(np.isinf(flat), np.nan, flat))
+        rounded = np.where(np.isinf(rounded), np.nan, rounded)
+    else:
+        rounded = gfloat.round_ndarray(info, flat, sat=fmt.encoding == "finite")
+    codes = gfloat.encode_ndarray(info, np.asarray(rounded, dtype=np.float64))
+    return np.asarray(codes).astype(fmt.storage_dtype).reshape(values.shape)
+
+
+def _encode_integer(fmt: IntegerFormat, values: Any) -> np.ndarray:
+    arr = np.asarray(values)
+    target = fmt.numpy_dtype
+    assert target is not None
+    if arr.dtype.kind in "iub":
+        info = np.iinfo(target)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            raise FormatError(f"values out of range for {fmt.tag}")
+        return arr.astype(target).view(fmt.storage_dtype)
+    as_float = arr.astype(np.float64)
+    if not np.isfinite(as_float).all() or (np.floor(as_float) != as_float).any():
+        raise FormatError(f"{fmt.tag} values must be finite integers")
+    info = np.iinfo(target)
+    if as_float.size and (as_float.min() < info.min or as_float.max() > float(info.max)):
+        raise FormatError(f"values out of range for {fmt.tag}")
+    return as_float.astype(target).view(fmt.storage_dtype)
+
+
+__all__ = ["decode", "decode_generic", "encode", "encode_generic", "check_bits", "gfloat_info"]
+_ = ExponentFormat  # exponent formats always have an ml_dtypes dtype
