@@ -136,7 +136,9 @@ def _encode_integer(fmt: IntegerFormat, values: Any) -> np.ndarray:
     if not np.isfinite(as_float).all() or (np.floor(as_float) != as_float).any():
         raise FormatError(f"{fmt.tag} values must be finite integers")
     info = np.iinfo(target)
-    if as_float.size and (as_float.min() < info.min or as_float.max() > float(info.max)):
+    # info.max + 1 is a power of two, exact in float64; float(info.max) rounds up to it for
+    # 64-bit types, so comparing with > would let 2**63 / 2**64 through and wrap on the cast.
+    if as_float.size and (as_float.min() < info.min or as_float.max() >= float(info.max + 1)):
         raise FormatError(f"values out of range for {fmt.tag}")
     return as_float.astype(target).view(fmt.storage_dtype)
 
