@@ -48,6 +48,8 @@ def check_bits(fmt: ScalarFormat, bits: Any) -> np.ndarray:
     width = fmt.word_width
     if width < bits.dtype.itemsize * 8 and bits.size and int(bits.max()) >> width:
         raise FormatError(f"bit patterns out of range for {width}-bit {fmt.tag}")
+    if isinstance(fmt, BoolFormat) and bits.size and int(bits.max()) > 1:
+        raise FormatError("bool bytes must be 0 or 1")
     if fmt.words_per_value == 2 and (bits.ndim == 0 or bits.shape[-1] != 2):
         raise FormatError(f"bits of {fmt.tag} need a trailing axis of 2 (real, imaginary)")
     return bits
