@@ -81,6 +81,9 @@ def decode_generic(fmt: BinaryFormat, bits: np.ndarray) -> np.ndarray:
     )
 
 
+_NUMPY_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
 def encode(fmt: ScalarFormat, values: Any) -> np.ndarray:
     """Bit patterns of ``values`` under round-to-nearest-even and the format's special rules.
 
@@ -106,7 +109,17 @@ def encode(fmt: ScalarFormat, values: Any) -> np.ndarray:
     dtype = fmt.numpy_dtype
     if dtype is not None:
         with np.errstate(over="ignore", invalid="ignore"):
-            return values.astype(dtype).view(fmt.storage_dtype)
+            out = values.astype(dtype).view(fmt.storage_dtype)
+            if isinstance(fmt, BinaryFormat) and dtype not in _NUMPY_FLOATS:
+                # ml_dtypes casts float64 through float32, which rounds twice: a value just off
+                # a tie becomes the tie. Values float32 does not hold exactly are rounded once,
+                # by gfloat, instead.
+                twice = values.astype(np.float32).astype(np.float64) != values
+                twice &= ~np.isnan(values)
+                if twice.any():
+                    out = np.array(out)
+                    out[twice] = encode_generic(fmt, values[twice])
+        return out
     assert isinstance(fmt, BinaryFormat)
     return encode_generic(fmt, values)
 
@@ -121,8 +134,28 @@ def encode_generic(fmt: BinaryFormat, values: np.ndarray) -> np.ndarray:
         rounded = np.where(np.isinf(rounded), np.nan, rounded)
     else:
         rounded = gfloat.round_ndarray(info, flat, sat=fmt.encoding == "finite")
-    codes = gfloat.encode_ndarray(info, np.asarray(rounded, dtype=np.float64))
-    return np.asarray(codes).astype(fmt.storage_dtype).reshape(values.shape)
+    rounded = np.asarray(rounded, dtype=np.float64)
+    codes = np.asarray(gfloat.encode_ndarray(info, rounded)).astype(fmt.storage_dtype)
+    nan = np.isnan(rounded)
+    if nan.any():
+        # One NaN code per sign, the one ml_dtypes writes: quiet (top fraction bit) for ieee,
+        # all ones for finite-max-nan, the negative-zero pattern for finite-unsigned-zero.
+        codes[nan] = nan_code(fmt, np.signbit(flat[nan]))
+    return codes.reshape(values.shape)
+
+
+def nan_code(fmt: BinaryFormat, negative: Any) -> np.ndarray:
+    """The canonical NaN bit pattern(s) of ``fmt`` for the given sign(s)."""
+    f, top = fmt.fraction_bits, fmt.width - 1
+    sign = np.asarray(negative, dtype=np.uint64) << np.uint64(top)
+    if fmt.encoding == "finite-unsigned-zero":
+        sign = np.full_like(sign, 1 << top)
+        magnitude = 0
+    elif fmt.encoding == "finite-max-nan":
+        magnitude = (1 << top) - 1
+    else:
+        magnitude = (((1 << fmt.exponent_bits) - 1) << f) | (1 << (f - 1))
+    return (sign | np.uint64(magnitude)).astype(fmt.storage_dtype)
 
 
 def _encode_integer(fmt: IntegerFormat, values: Any) -> np.ndarray:
@@ -145,5 +178,7 @@ def _encode_integer(fmt: IntegerFormat, values: Any) -> np.ndarray:
     return as_float.astype(target).view(fmt.storage_dtype)
 
 
-__all__ = ["decode", "decode_generic", "encode", "encode_generic", "check_bits", "gfloat_info"]
+__all__ = [
+    "decode", "decode_generic", "encode", "encode_generic", "check_bits", "gfloat_info", "nan_code"
+]
 _ = ExponentFormat  # exponent formats always have an ml_dtypes dtype
