@@ -1,14 +1,24 @@
-"""lean_store: bit-exact, checked checkpoints of ML model state in HDF5 and Zarr."""
+"""lean_store: bit-exact, checked checkpoints of ML model state in HDF5 and Zarr.
+
+>>> import lean_store as ls
+>>> ls.save(model, "run.h5")            # or "run.zarr"
+>>> ls.load(model, "run.h5")            # validated first; the model is unchanged on error
+>>> state = ls.load_state("run.h5")     # a new dict of arrays; nothing mutated
+>>> with ls.open("run.h5") as ck:       # partial reads touch only the chunks they need
+...     ck["layer.weight"][10:20]
+"""
 
 from . import formats
+from .checkpoint import Checkpoint, LoadResult, TensorHandle, load, load_state, open, save
 from .encoded import Encoded
 from .errors import CheckpointError, FormatError, IntegrityError, LayoutError, UnsafeFileError
 from .formats import ScalarFormat
 from .layout import Difference, Entry, Layout
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
+    "Checkpoint",
     "CheckpointError",
     "Difference",
     "Encoded",
@@ -17,7 +27,13 @@ __all__ = [
     "IntegrityError",
     "Layout",
     "LayoutError",
+    "LoadResult",
     "ScalarFormat",
+    "TensorHandle",
     "UnsafeFileError",
     "formats",
+    "load",
+    "load_state",
+    "open",
+    "save",
 ]

@@ -1,0 +1,505 @@
+"""save / load / load_state / open: source -> layout -> validate -> stream -> store, and back."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc32c
+import numpy as np
+
+from .chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, iter_regions, plan_chunks
+from .encoded import Encoded
+from .errors import CheckpointError, FormatError, IntegrityError
+from .formats import ScalarFormat, get
+from .indexing import basic_index
+from .layout import Difference, Entry, Layout, layout_error
+from .manifest import check_stored, parse_root, root_attrs, tensor_attrs
+from .naming import check_names
+from .progress import make_progress
+from .sources import TargetTensor, TensorSource, tensor_source, tensor_targets
+from .stores.base import Selection, StoredTensor, StoreReader, StoreWriter
+
+BACKENDS = ("hdf5", "zarr")
+_SUFFIXES = {".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", ".zarr": "zarr"}
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def backend_for(path: str | os.PathLike, backend: str | None = None) -> str:
+    """The backend named, or the one the suffix implies (.h5/.hdf5 -> hdf5, .zarr -> zarr)."""
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise CheckpointError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+        return backend
+    suffix = Path(path).suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise CheckpointError(
+            f"cannot tell the backend from {str(path)!r}: use a .h5/.hdf5 or .zarr suffix, "
+            "or pass backend='hdf5' or 'zarr'"
+        )
+    return _SUFFIXES[suffix]
+
+
+def detect_backend(path: str | os.PathLike) -> str:
+    """The backend of an existing checkpoint, from what is on disk."""
+    p = Path(path)
+    if p.is_dir():
+        if (p / "zarr.json").is_file():
+            return "zarr"
+        raise IntegrityError(f"{p} is a directory but not a lean_store checkpoint (no zarr.json)")
+    if p.is_file():
+        with p.open("rb") as f:
+            head = f.read(8)
+        if head == HDF5_SIGNATURE:
+            return "hdf5"
+        raise IntegrityError(f"{p} is not a lean_store checkpoint (not an HDF5 file or Zarr store)")
+    raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+
+
+def open_writer(
+    path: str | os.PathLike, backend: str, *, chunk_bytes: int | None, compression: Any
+) -> StoreWriter:
+    chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
+    if chunk_bytes < MIN_CHUNK_BYTES:
+        raise CheckpointError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}, got {chunk_bytes}")
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
+    if backend == "hdf5":
+        from .stores.hdf5 import HDF5Writer
+
+        return HDF5Writer(path, chunk_bytes=chunk_bytes, compression=compression)
+    from .stores.zarr_store import ZarrWriter
+
+    return ZarrWriter(path, chunk_bytes=chunk_bytes, compression=compression)
+
+
+def open_reader(path: Any, backend: str | None = None) -> StoreReader:
+    if backend is None:
+        backend = detect_backend(path)
+    if backend == "hdf5":
+        from .stores.hdf5 import HDF5Reader
+
+        return HDF5Reader(path)
+    from .stores.zarr_store import ZarrReader
+
+    return ZarrReader(path)
+
+
+def stored_rank_shape(entry: Entry) -> tuple[int, ...]:
+    return entry.shape or (1,)
+
+
+def crc32c_update(crc: int, bits: np.ndarray) -> int:
+    return _crc32c.crc32c(np.ascontiguousarray(bits).view(np.uint8).reshape(-1), crc)
+
+
+# ----------------------------------------------------------------------------------- saving
+
+
+def write_source(
+    source: TensorSource,
+    path: str | os.PathLike,
+    *,
+    kind: str,
+    backend: str | None = None,
+    chunk_bytes: int | None = None,
+    compression: Any = None,
+    progress: Any = False,
+    extra_root: dict[str, Any] | None = None,
+) -> Layout:
+    """Stream every tensor of ``source`` into a new checkpoint, committed atomically."""
+    layout = source.layout
+    check_names(layout.names())
+    backend = backend_for(path, backend)
+    writer = open_writer(path, backend, chunk_bytes=chunk_bytes, compression=compression)
+    storage = "hdf5" if backend == "hdf5" else "zarr"
+    with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar:
+        for entry, tensor in source.tensors():
+            sink = writer.add_tensor(entry, tensor_attrs(entry, _storage_name(entry, storage)))
+            crc = 0
+            for region in iter_regions(stored_rank_shape(entry), sink.write_unit):
+                bits = tensor.read(region)
+                crc = crc32c_update(crc, bits)
+                sink.write(region, bits)
+                bar.advance(bits.nbytes)
+            sink.close({"crc32c": crc})
+        writer.commit(root_attrs(layout, kind, extra_root))
+    return layout
+
+
+def _storage_name(entry: Entry, backend: str) -> str:
+    if backend == "hdf5":
+        from .stores.hdf5_types import storage_kind
+
+        return storage_kind(entry.format)
+    from .stores.zarr_store import native_dtype
+
+    return "native" if native_dtype(entry.format) is not None else "raw"
+
+
+def save(
+    obj: Any,
+    path: str | os.PathLike,
+    *,
+    backend: str | None = None,
+    chunk_bytes: int | None = None,
+    compression: Any = None,
+    progress: Any = False,
+) -> Layout:
+    """Save a torch module, a state dict, or a mapping of arrays/``Encoded`` to HDF5 or Zarr.
+
+    The checkpoint is written to a hidden temporary sibling and renamed into place only when
+    complete, so ``path`` holds either the previous checkpoint or the new one, never a mix.
+    Returns the :class:`Layout` written.
+    """
+    source = tensor_source(obj)
+    if len(source.layout) == 0:
+        raise CheckpointError("nothing to save: the state has no tensors")
+    kind = "module" if callable(getattr(obj, "state_dict", None)) else "state"
+    return write_source(
+        source, path, kind=kind, backend=backend, chunk_bytes=chunk_bytes,
+        compression=compression, progress=progress,
+    )
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+class TensorHandle:
+    """One stored tensor: metadata now, data on demand (only the chunks a slice touches)."""
+
+    def __init__(self, checkpoint: Checkpoint, entry: Entry, stored: StoredTensor) -> None:
+        self._ck = checkpoint
+        self.entry = entry
+        self.stored = stored
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.entry.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.entry.shape)
+
+    @property
+    def format(self) -> ScalarFormat:
+        return self.entry.format
+
+    @property
+    def dtype(self) -> np.dtype | None:
+        """The numpy dtype of the values, or None where only ``Encoded`` can hold them."""
+        return self.entry.format.numpy_dtype
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return self.stored.chunk_shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+    def bits(self, key: Any = ...) -> np.ndarray:
+        """Raw words of ``self[key]`` (complex formats: trailing axis of 2)."""
+        index = basic_index(key, self.shape)
+        words = self._ck._reader.read(self.stored.node, index.selection, self.format)
+        return index.finish(words, self.format.words_per_value == 2)
+
+    def __getitem__(self, key: Any) -> np.ndarray | Encoded:
+        return as_values(self.bits(key), self.format)
+
+    def read(self) -> np.ndarray | Encoded:
+        """The whole tensor, with its crc32c digest verified."""
+        return as_values(self._ck._read_verified(self.entry), self.format)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        values = self.read()
+        if isinstance(values, Encoded):
+            raise FormatError(
+                f"{self.name!r} is {self.format.tag}, which has no numpy dtype; use .read() for "
+                "an Encoded value, or .read().decode() for float64 values"
+            )
+        return values if dtype is None else values.astype(dtype)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a scalar tensor")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"<tensor {self.name!r} {self.format.tag}{list(self.shape)}>"
+
+
+def as_values(words: np.ndarray, fmt: ScalarFormat) -> np.ndarray | Encoded:
+    """Words as a numpy array of the format's dtype, or ``Encoded`` where none exists."""
+    dtype = fmt.numpy_dtype
+    if dtype is None:
+        return Encoded(words, fmt)
+    if fmt.words_per_value == 2:
+        return np.ascontiguousarray(words).view(dtype).reshape(words.shape[:-1])
+    return words.view(dtype)
+
+
+class Checkpoint(Mapping[str, TensorHandle]):
+    """A read-only, validated view of a checkpoint. Use as a context manager."""
+
+    def __init__(self, path: Any, *, backend: str | None = None) -> None:
+        self.path = path
+        self._reader = open_reader(path, backend)
+        try:
+            self.backend = self._reader.backend
+            self.root_attrs = self._reader.root_attrs
+            self.format_version, self.kind, self.layout = parse_root(self.root_attrs, str(path))
+            self._stored = check_stored(self._reader, self.layout, str(path))
+        except BaseException:
+            self._reader.close()
+            raise
+
+    def __getitem__(self, name: str) -> TensorHandle:
+        if name not in self.layout:
+            raise KeyError(name)
+        return TensorHandle(self, self.layout[name], self._stored[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.names())
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def _read_units(self, entry: Entry) -> Iterator[tuple[Any, Selection]]:
+        shape = stored_rank_shape(entry)
+        chunks = self._stored[entry.name].chunk_shape[: len(shape)]
+        if not _is_row_block(shape, chunks):
+            chunks = plan_chunks(shape, entry.format.storage_dtype.itemsize, DEFAULT_CHUNK_BYTES)
+        for region in iter_regions(shape, chunks):
+            yield region, Selection.of_region(region)
+
+    def iter_bits(self, entry: Entry) -> Iterator[tuple[Any, np.ndarray]]:
+        """Raw words region by region in C order; the digest is checked after the last one."""
+        node = self._stored[entry.name].node
+        expected = self._stored[entry.name].attrs.get("crc32c")
+        crc = 0
+        for region, selection in self._read_units(entry):
+            words = self._reader.read(node, selection, entry.format)
+            crc = crc32c_update(crc, words)
+            yield region, words
+        if expected is not None and crc != expected:
+            raise IntegrityError(
+                f"tensor {entry.name!r}: crc32c {crc:#010x} does not match the recorded "
+                f"{expected:#010x}; the checkpoint is corrupt"
+            )
+
+    def _read_verified(self, entry: Entry) -> np.ndarray:
+        shape = stored_rank_shape(entry)
+        pair = (2,) if entry.format.words_per_value == 2 else ()
+        out = np.empty(shape + pair, dtype=entry.format.storage_dtype)
+        for region, words in self.iter_bits(entry):
+            out[region] = words
+        return out.reshape(entry.shape + pair)
+
+    def verify(self) -> None:
+        """Read every tensor and check every chunk checksum and digest."""
+        for entry in self.layout:
+            for _ in self.iter_bits(entry):
+                pass
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<lean_store.Checkpoint {self.backend} {str(self.path)!r} {len(self)} tensors>"
+
+
+def _is_row_block(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
+    if len(chunks) != len(shape):
+        return False
+    split = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), len(shape))
+    return all(c == 1 for c in chunks[:split]) and all(
+        c >= d for c, d in zip(chunks[split + 1 :], shape[split + 1 :])
+    )
+
+
+def open(path: Any, *, backend: str | None = None) -> Checkpoint:  # noqa: A001 - public API name
+    """Open a checkpoint read-only: ``ck.layout``, ``ck[name][10:20]``, ``np.asarray(ck[name])``."""
+    return Checkpoint(path, backend=backend)
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+@dataclass
+class LoadResult:
+    """What ``load`` did: names loaded, and names skipped under ``strict=False``."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def _casts(cast: Mapping[str, Any] | None) -> dict[str, ScalarFormat]:
+    out = {}
+    for name, fmt in (cast or {}).items():
+        out[name] = get(fmt) if isinstance(fmt, str) else fmt
+        if not isinstance(out[name], ScalarFormat):
+            raise FormatError(f"cast for {name!r} must be a format or tag, got {fmt!r}")
+    return out
+
+
+def expected_with_casts(
+    file_layout: Layout, target_layout: Layout, casts: dict[str, ScalarFormat]
+) -> Layout:
+    """The target layout, where each explicitly cast tensor expects the file's format."""
+    problems = []
+    specs = []
+    for entry in target_layout:
+        fmt = entry.format
+        if entry.name in casts:
+            if casts[entry.name] != fmt:
+                problems.append(
+                    Difference("format", entry.name, f"cast to {casts[entry.name].tag}", fmt.tag)
+                )
+            if entry.name in file_layout:
+                fmt = file_layout[entry.name].format
+        specs.append((entry.name, entry.shape, fmt))
+    unknown = [n for n in casts if n not in target_layout]
+    if unknown:
+        raise CheckpointError(f"cast names tensors the target does not have: {unknown}")
+    if problems:
+        raise layout_error(problems, "cast request")
+    return Layout.from_specs(specs)
+
+
+def _convert(words: np.ndarray, src: ScalarFormat, dst: ScalarFormat) -> np.ndarray:
+    if src == dst:
+        return words
+    return dst.encode(src.decode(words))
+
+
+def load(
+    target: Any,
+    path: Any,
+    *,
+    strict: bool = True,
+    cast: Mapping[str, Any] | None = None,
+    verify: bool = True,
+    progress: Any = False,
+) -> LoadResult:
+    """Load a checkpoint in place into a torch module, a state dict, or a dict of arrays.
+
+    The whole checkpoint is validated first (header, count, names, shapes, formats, widths,
+    payload lengths) and, with ``verify=True``, every checksum is checked too. Only then is
+    anything copied in; on any error the target is unchanged. There is never a silent cast:
+    pass ``cast={"name": "float32"}`` to convert a tensor explicitly.
+    """
+    casts = _casts(cast)
+    targets = tensor_targets(target)
+    target_layout = Layout.from_specs([(n, t.entry.shape, t.entry.format) for n, t in targets.items()])
+    with Checkpoint(path) as ck:
+        expected = expected_with_casts(ck.layout, target_layout, casts)
+        ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
+                        order_matters=strict)
+        result = LoadResult(
+            missing=[n for n in expected.names() if n not in ck.layout],
+            unexpected=[n for n in ck.layout.names() if n not in expected],
+        )
+        names = [n for n in expected.names() if n in ck.layout]
+        if verify:
+            for name in names:
+                for _ in ck.iter_bits(ck.layout[name]):
+                    pass
+        total = sum(ck.layout[n].nbytes for n in names)
+        with make_progress(progress, f"load {Path(str(path)).name}", total) as bar:
+            for name in names:
+                _install(ck, ck.layout[name], targets[name], bar)
+                result.loaded.append(name)
+    if result.missing or result.unexpected:
+        warnings.warn(
+            f"strict=False: skipped {len(result.missing)} tensors missing from the checkpoint "
+            f"{result.missing} and {len(result.unexpected)} unexpected ones {result.unexpected}",
+            stacklevel=2,
+        )
+    return result
+
+
+def _install(ck: Checkpoint, entry: Entry, target: TargetTensor, bar: Any) -> None:
+    src, dst = entry.format, target.entry.format
+    for region, words in ck.iter_bits(entry):
+        target.write(region, _convert(words, src, dst))
+        bar.advance(words.nbytes)
+
+
+def load_state(
+    path: Any, *, like: Any = None, cast: Mapping[str, Any] | None = None, strict: bool = True
+) -> dict[str, Any]:
+    """Read a checkpoint into a NEW dict; nothing is mutated.
+
+    Without ``like``: numpy arrays (ml_dtypes dtypes where they exist) and ``Encoded`` values.
+    With ``like`` (a module, state dict or Layout): validated against it, and returned as torch
+    tensors of the same dtypes on the same devices when ``like`` holds torch tensors.
+    """
+    casts = _casts(cast)
+    with Checkpoint(path) as ck:
+        devices: dict[str, Any] = {}
+        if like is not None:
+            like_layout = Layout.of(like)
+            devices = _devices_of(like)
+            expected = expected_with_casts(ck.layout, like_layout, casts)
+            ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
+                            order_matters=strict)
+            wanted = {e.name: like_layout[e.name].format for e in expected if e.name in ck.layout}
+        else:
+            if any(n not in ck.layout for n in casts):
+                raise CheckpointError(f"cast names tensors the checkpoint lacks: {list(casts)}")
+            wanted = {e.name: casts.get(e.name, e.format) for e in ck.layout}
+        out: dict[str, Any] = {}
+        for name, fmt in wanted.items():
+            entry = ck.layout[name]
+            words = _convert(ck._read_verified(entry), entry.format, fmt)
+            if name in devices:
+                from .sources.torch_source import new_tensor
+
+                out[name] = new_tensor(words, fmt, entry.shape, devices[name])
+            else:
+                out[name] = as_values(words, fmt)
+        return out
+
+
+def _devices_of(like: Any) -> dict[str, Any]:
+    if isinstance(like, Layout):
+        return {}
+    from .sources import _is_torch
+
+    if not _is_torch(like):
+        return {}
+    from .sources.torch_source import state_dict_of
+
+    return {
+        name: value.device
+        for name, value in state_dict_of(like).items()
+        if hasattr(value, "device")
+    }
+
+
+__all__ = [
+    "Checkpoint", "LoadResult", "TensorHandle", "load", "load_state", "open", "save",
+    "write_source",
+]

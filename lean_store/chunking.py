@@ -1,0 +1,63 @@
+"""Chunk planning. Chunks are row blocks, so each one is a contiguous run of the tensor's bytes.
+
+For a stored shape ``(d0, ..., dn)`` the planner picks the first axis ``k`` whose trailing
+block ``d(k+1) * ... * dn`` fits in ``chunk_bytes``, and takes ``c`` indices of axis ``k``:
+chunk = ``(1, ..., 1, c, d(k+1), ..., dn)``. Chunks in C order of the chunk grid therefore
+concatenate to the tensor's bytes in C order, which lets a writer stream them and a digest be
+computed in one pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+MIN_CHUNK_BYTES = 1 << 10
+
+Region = tuple[slice, ...]
+
+
+def plan_chunks(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tuple[int, ...]:
+    """Chunk shape for ``shape`` (rank >= 1) with at most about ``chunk_bytes`` per chunk."""
+    if not shape:
+        raise ValueError("stored shapes have rank >= 1")
+    budget = max(1, chunk_bytes // max(1, itemsize))
+    for k in range(len(shape)):
+        trailing = math.prod(shape[k + 1 :])
+        if trailing <= budget:
+            count = max(1, min(shape[k], budget // max(1, trailing)))
+            return (1,) * k + (max(1, count),) + tuple(max(1, d) for d in shape[k + 1 :])
+    return (1,) * (len(shape) - 1) + (max(1, min(shape[-1], budget)),)  # pragma: no cover
+
+
+def grow_chunks(shape: tuple[int, ...], chunks: tuple[int, ...], factor: int) -> tuple[int, ...]:
+    """A shard shape: ``chunks`` with its split axis grown ``factor`` times, kept a multiple."""
+    axis = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), None)
+    if axis is None:
+        return chunks
+    whole = math.ceil(shape[axis] / chunks[axis]) * chunks[axis]
+    return chunks[:axis] + (min(chunks[axis] * factor, whole),) + chunks[axis + 1 :]
+
+
+def iter_regions(shape: tuple[int, ...], unit: tuple[int, ...]) -> Iterator[Region]:
+    """Regions of ``unit`` shape covering ``shape``, in C order, clipped at the edges."""
+    if any(d == 0 for d in shape):
+        return
+    counts = [math.ceil(d / u) for d, u in zip(shape, unit)]
+    index = [0] * len(shape)
+    while True:
+        yield tuple(
+            slice(i * u, min((i + 1) * u, d)) for i, u, d in zip(index, unit, shape)
+        )
+        for axis in reversed(range(len(shape))):
+            index[axis] += 1
+            if index[axis] < counts[axis]:
+                break
+            index[axis] = 0
+        else:
+            return
+
+
+def region_shape(region: Region) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in region)

@@ -1,0 +1,170 @@
+"""The metadata lean_store writes and the checks a reader makes before touching any data.
+
+Root: ``lean_store`` (format name), ``format_version``, ``kind``, ``tensor_count``, ``layout``
+(JSON) and ``complete`` (written last). Each dataset: ``index``, ``name``, ``shape``,
+``format``, ``width``, the format's parameters, ``crc32c`` of its raw words, ``storage``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from typing import Any
+
+from ._version import __version__
+from .errors import CheckpointError, FormatError, IntegrityError, LayoutError
+from .formats import BinaryFormat, ComplexFormat, get
+from .layout import Entry, Layout
+from .naming import node_name
+from .stores.base import FORMAT_NAME, FORMAT_VERSION, StoredTensor, StoreReader
+
+KINDS = ("state", "module", "optimizer", "training")
+MAX_ELEMENTS = 1 << 48  # a claimed size beyond this is rejected, never allocated
+MAX_LAYOUT_TEXT = 64 << 20
+
+
+def tensor_attrs(entry: Entry, storage: str) -> dict[str, Any]:
+    fmt = entry.format
+    attrs: dict[str, Any] = {
+        "index": entry.index,
+        "name": entry.name,
+        "shape": tuple(entry.shape),
+        "format": fmt.tag,
+        "width": fmt.width,
+        "storage": storage,
+    }
+    if isinstance(fmt, BinaryFormat):
+        attrs.update(
+            exponent_bits=fmt.exponent_bits,
+            fraction_bits=fmt.fraction_bits,
+            bias=fmt.bias,
+            encoding=fmt.encoding,
+        )
+    if isinstance(fmt, ComplexFormat):
+        attrs["component"] = fmt.component.tag
+    return attrs
+
+
+def root_attrs(layout: Layout, kind: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    if kind not in KINDS:
+        raise CheckpointError(f"unknown checkpoint kind {kind!r}; known: {', '.join(KINDS)}")
+    attrs: dict[str, Any] = {
+        "lean_store": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "tensor_count": len(layout),
+        "layout": json.dumps(layout.to_json(), separators=(",", ":")),
+        "writer": f"lean_store {__version__}",
+    }
+    attrs.update(extra or {})
+    return attrs
+
+
+def parse_root(attrs: dict[str, Any], where: str) -> tuple[int, str, Layout]:
+    """Check the header and return (format version, kind, layout)."""
+    if attrs.get("lean_store") != FORMAT_NAME:
+        raise IntegrityError(f"{where} is not a lean_store checkpoint (no 'lean_store' header)")
+    version = attrs.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise IntegrityError(f"{where}: malformed format_version {version!r}")
+    if version > FORMAT_VERSION:
+        raise IntegrityError(
+            f"{where}: format version {version} is newer than this lean_store "
+            f"(reads up to {FORMAT_VERSION}); upgrade lean_store"
+        )
+    if attrs.get("complete") not in (True, 1):
+        raise IntegrityError(f"incomplete checkpoint: {where} was never committed")
+    kind = attrs.get("kind")
+    if kind not in KINDS:
+        raise IntegrityError(f"{where}: unknown checkpoint kind {kind!r}")
+    text = attrs.get("layout")
+    if isinstance(text, str):
+        if len(text) > MAX_LAYOUT_TEXT:
+            raise IntegrityError(f"{where}: layout text of {len(text)} bytes is absurd")
+        try:
+            items = json.loads(text)
+        except ValueError as exc:
+            raise IntegrityError(f"{where}: layout is not valid JSON ({exc})") from None
+    else:
+        items = text
+    try:
+        layout = Layout.from_json(items)
+    except (LayoutError, FormatError) as exc:
+        raise IntegrityError(f"{where}: malformed layout: {exc}") from None
+    count = attrs.get("tensor_count")
+    if count != len(layout):
+        raise IntegrityError(f"{where}: tensor_count {count!r} but the layout lists {len(layout)}")
+    for entry in layout:
+        if math.prod(entry.shape) > MAX_ELEMENTS:
+            raise IntegrityError(f"{where}: tensor {entry.name!r} claims an absurd shape {entry.shape}")
+    return version, kind, layout
+
+
+def expected_stored_shape(entry: Entry, backend: str) -> tuple[int, ...]:
+    if backend == "zarr":
+        from .stores.zarr_store import stored_shape
+
+        return stored_shape(entry)
+    return entry.shape or (1,)
+
+
+def check_stored(reader: StoreReader, layout: Layout, where: str) -> dict[str, StoredTensor]:
+    """Compare every dataset with the layout; raise one IntegrityError listing every problem."""
+    problems: list[str] = []
+    expected_nodes = {node_name(e.name): e for e in layout}
+    nodes = reader.nodes()
+    for node in nodes:
+        if node not in expected_nodes:
+            problems.append(f"dataset {node!r} is not in the layout")
+    stored: dict[str, StoredTensor] = {}
+    for node, entry in expected_nodes.items():
+        if node not in nodes:
+            problems.append(f"tensor {entry.name!r}: dataset {node!r} is missing")
+            continue
+        info = reader.stored(node)
+        stored[entry.name] = info
+        problems.extend(_check_tensor(reader, entry, info))
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise IntegrityError(f"{where}: stored data does not match its layout:\n{lines}")
+    return stored
+
+
+def _check_tensor(reader: StoreReader, entry: Entry, info: StoredTensor) -> list[str]:
+    attrs, name = info.attrs, entry.name
+    problems = []
+    wanted = tensor_attrs(entry, attrs.get("storage", ""))
+    for key in ("index", "name", "shape", "format", "width"):
+        got = attrs.get(key)
+        if key == "shape" and isinstance(got, list):
+            got = tuple(got)
+        if got != wanted[key]:
+            problems.append(f"tensor {name!r}: attribute {key} is {got!r}, layout says {wanted[key]!r}")
+    shape = expected_stored_shape(entry, reader.backend)
+    if info.stored_shape != shape:
+        problems.append(
+            f"tensor {name!r}: payload shape {info.stored_shape} disagrees with shape "
+            f"{entry.shape} (expected stored shape {shape})"
+        )
+    if reader.backend == "hdf5":
+        if not reader.file_type_matches(info.node, entry.format):  # type: ignore[attr-defined]
+            problems.append(f"tensor {name!r}: HDF5 datatype does not encode {entry.format.tag}")
+    else:
+        from .stores.zarr_store import native_dtype
+
+        want = native_dtype(entry.format) or entry.format.storage_dtype
+        got_dtype = reader.array_dtype(info.node)  # type: ignore[attr-defined]
+        if got_dtype != want:
+            problems.append(f"tensor {name!r}: zarr dtype {got_dtype} does not encode {entry.format.tag}")
+    crc = attrs.get("crc32c")
+    if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32):
+        problems.append(f"tensor {name!r}: malformed crc32c attribute {crc!r}")
+    return problems
+
+
+def warn_legacy(where: str, what: str) -> None:
+    warnings.warn(f"{where}: {what}", stacklevel=3)
+
+
+__all__ = ["check_stored", "parse_root", "root_attrs", "tensor_attrs", "get"]

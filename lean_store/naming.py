@@ -1,0 +1,66 @@
+"""How tensor names become HDF5/Zarr node names, reversibly and safely.
+
+Any non-empty name up to 1024 characters can be stored. Characters outside
+``[A-Za-z0-9._-]`` are percent-escaped (UTF-8 bytes, ``%XX``), as is a leading ``.`` or ``_``,
+so a node name never contains ``/``, never is ``.`` or ``..``, never starts with the reserved
+prefixes of HDF5 (``.``) or Zarr (``__``), and the mapping is one to one. Names that differ only
+in case are rejected because they collide on case-insensitive file systems.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .errors import LayoutError
+
+MAX_NAME_LENGTH = 1024
+_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def node_name(name: str) -> str:
+    """The store node name of a tensor name."""
+    if not isinstance(name, str) or not name:
+        raise LayoutError(f"tensor names must be non-empty strings, got {name!r}")
+    if len(name) > MAX_NAME_LENGTH:
+        raise LayoutError(f"tensor name of {len(name)} characters exceeds {MAX_NAME_LENGTH}")
+    out = []
+    for i, ch in enumerate(name):
+        if ch in _SAFE and not (i == 0 and ch in "._"):
+            out.append(ch)
+        else:
+            out.extend(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+    return "".join(out)
+
+
+def tensor_name(node: str) -> str:
+    """Inverse of :func:`node_name`."""
+    raw = bytearray()
+    i = 0
+    while i < len(node):
+        if node[i] == "%":
+            raw.append(int(node[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.extend(node[i].encode("ascii"))
+            i += 1
+    return raw.decode("utf-8", "surrogatepass")
+
+
+def check_names(names: Iterable[str]) -> None:
+    """Reject empty, over-long, duplicate and case-colliding names, all in one error."""
+    seen: dict[str, str] = {}
+    problems = []
+    for name in names:
+        try:
+            node_name(name)
+        except LayoutError as exc:
+            problems.append(str(exc))
+            continue
+        folded = name.casefold()
+        if folded in seen:
+            other = seen[folded]
+            what = "duplicate" if other == name else "case-colliding"
+            problems.append(f"{what} tensor names {other!r} and {name!r}")
+        seen[folded] = name
+    if problems:
+        raise LayoutError("unsafe tensor names:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -1,0 +1,52 @@
+"""Where state comes from and goes back to. Only :mod:`.torch_source` imports torch."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .base import TargetTensor, TensorSource
+from .numpy_source import MappingSource, is_array_mapping
+
+
+def _is_torch(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    if isinstance(obj, (torch.nn.Module, torch.Tensor)):
+        return True
+    if isinstance(obj, dict) and obj and any(isinstance(v, torch.Tensor) for v in obj.values()):
+        return True
+    return False
+
+
+def tensor_source(obj: Any) -> TensorSource:
+    """A :class:`TensorSource` for a torch module, a state dict or a mapping of arrays."""
+    if isinstance(obj, TensorSource):
+        return obj
+    if _is_torch(obj):
+        from .torch_source import TorchSource
+
+        return TorchSource(obj)
+    if is_array_mapping(obj):
+        return MappingSource(obj)
+    from ..errors import CheckpointError
+
+    raise CheckpointError(
+        f"cannot take state from a {type(obj).__name__}: pass a torch.nn.Module, a state dict, "
+        "or a mapping of names to numpy arrays, torch tensors or lean_store.Encoded"
+    )
+
+
+def tensor_targets(obj: Any) -> dict[str, TargetTensor]:
+    """Writable targets for in-place loading, keyed by name."""
+    if _is_torch(obj):
+        from .torch_source import torch_targets
+
+        return torch_targets(obj)
+    from .numpy_source import numpy_targets
+
+    return numpy_targets(obj)
+
+
+__all__ = ["TargetTensor", "TensorSource", "tensor_source", "tensor_targets"]

@@ -1,0 +1,41 @@
+"""Source and target protocols: raw words in, raw words out, region by region."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+import numpy as np
+
+from ..chunking import Region
+from ..layout import Entry, Layout
+
+
+class SourceTensor(ABC):
+    """One tensor to save. ``read`` returns the raw words of a region of the stored shape
+    (``shape`` or ``(1,)`` for scalars; complex formats add a trailing axis of 2). For CPU
+    memory that is already contiguous the result is a zero-copy view."""
+
+    device: str = "cpu"
+
+    @abstractmethod
+    def read(self, region: Region) -> np.ndarray: ...
+
+
+class TensorSource(ABC):
+    """An ordered set of tensors with their :class:`Layout`."""
+
+    layout: Layout
+
+    @abstractmethod
+    def tensors(self) -> Iterator[tuple[Entry, SourceTensor]]: ...
+
+
+class TargetTensor(ABC):
+    """One tensor to load into, in place."""
+
+    entry: Entry
+
+    @abstractmethod
+    def write(self, region: Region, bits: np.ndarray) -> None:
+        """Store raw words (the target's own format) into ``region`` of the stored shape."""

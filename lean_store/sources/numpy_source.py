@@ -1,0 +1,125 @@
+"""Mappings of names to numpy arrays (ml_dtypes included) and :class:`Encoded` values."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..chunking import Region
+from ..encoded import Encoded
+from ..errors import CheckpointError, FormatError
+from ..formats import ScalarFormat, of_numpy_dtype
+from ..layout import Entry, Layout
+from .base import SourceTensor, TargetTensor, TensorSource
+
+
+def is_array_mapping(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and all(
+        isinstance(v, (np.ndarray, np.generic, Encoded)) for v in obj.values()
+    )
+
+
+def array_bits(array: np.ndarray, fmt: ScalarFormat) -> np.ndarray:
+    """Raw little-endian words of a numpy array (a view when the memory allows it)."""
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    if fmt.words_per_value == 2:
+        array = np.ascontiguousarray(array)
+        return array.view(fmt.storage_dtype).reshape(array.shape + (2,))
+    return array.view(fmt.storage_dtype)
+
+
+def stored_view(bits: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw words reshaped to the stored shape: scalars become (1,)."""
+    return bits.reshape((1,) + bits.shape[len(shape):]) if not shape else bits
+
+
+class ArraySourceTensor(SourceTensor):
+    def __init__(self, value: np.ndarray | Encoded, fmt: ScalarFormat) -> None:
+        self._fmt = fmt
+        if isinstance(value, Encoded):
+            self._bits: np.ndarray | None = stored_view(value.bits, value.shape)
+            self._array = None
+        elif fmt.words_per_value == 2 and not value.flags.c_contiguous:
+            self._bits = None  # complex views need contiguous memory: copy per region
+            self._array = value.reshape(1) if value.ndim == 0 else value
+        else:
+            self._bits = stored_view(array_bits(value, fmt), value.shape)
+            self._array = None
+
+    def read(self, region: Region) -> np.ndarray:
+        if self._bits is not None:
+            return np.ascontiguousarray(self._bits[region])
+        assert self._array is not None
+        return array_bits(np.ascontiguousarray(self._array[region]), self._fmt)
+
+
+def _format_of(name: str, value: Any) -> ScalarFormat:
+    if isinstance(value, Encoded):
+        return value.format
+    try:
+        return of_numpy_dtype(value.dtype)
+    except FormatError as exc:
+        raise FormatError(f"tensor {name!r}: {exc}") from None
+
+
+class MappingSource(TensorSource):
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        values = {}
+        for name, value in state.items():
+            if not isinstance(name, str):
+                raise CheckpointError(f"tensor names must be strings, got {name!r}")
+            values[name] = np.asarray(value) if isinstance(value, np.generic) else value
+        self._values = values
+        self.layout = Layout.from_specs(
+            [(n, tuple(v.shape), _format_of(n, v)) for n, v in values.items()]
+        )
+
+    def tensors(self) -> Iterator[tuple[Entry, SourceTensor]]:
+        for entry in self.layout:
+            yield entry, ArraySourceTensor(self._values[entry.name], entry.format)
+
+
+class ArrayTarget(TargetTensor):
+    def __init__(self, entry: Entry, array: np.ndarray) -> None:
+        self.entry = entry
+        if not array.flags.writeable:
+            raise CheckpointError(f"target {entry.name!r} is read-only")
+        self._array = array.reshape(1) if array.ndim == 0 else array
+
+    def write(self, region: Region, bits: np.ndarray) -> None:
+        fmt = self.entry.format
+        dst = self._array[region]
+        if fmt.words_per_value == 2:
+            dst[...] = bits.view(dst.dtype).reshape(dst.shape)
+        else:
+            dst.view(fmt.storage_dtype)[...] = bits
+
+
+def numpy_targets(obj: Any) -> dict[str, TargetTensor]:
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(f"cannot load into a {type(obj).__name__}")
+    targets: dict[str, TargetTensor] = {}
+    layout = MappingSource(obj).layout
+    for entry in layout:
+        value = obj[entry.name]
+        if isinstance(value, Encoded) and value.format.words_per_value == 2:
+            targets[entry.name] = _EncodedPairTarget(entry, value.bits)
+        elif isinstance(value, Encoded):
+            targets[entry.name] = ArrayTarget(entry, value.bits)
+        elif isinstance(value, np.ndarray):
+            targets[entry.name] = ArrayTarget(entry, value)
+        else:
+            raise CheckpointError(f"target {entry.name!r} is not a writable numpy array")
+    return targets
+
+
+class _EncodedPairTarget(TargetTensor):
+    def __init__(self, entry: Entry, bits: np.ndarray) -> None:
+        self.entry = entry
+        self._bits = bits.reshape((1, 2)) if bits.ndim == 1 else bits
+
+    def write(self, region: Region, bits: np.ndarray) -> None:
+        self._bits[region] = bits

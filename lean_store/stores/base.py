@@ -1,0 +1,220 @@
+"""The store interface: what a backend must do, in raw bits, and nothing else.
+
+A writer creates one chunked dataset per tensor, accepts writes of whole write units (a chunk,
+or a zarr shard) in C order, and commits atomically: everything goes to a hidden temporary
+sibling which is fsynced and renamed into place only when complete. A reader lists tensors,
+reports their attributes and storage, and reads any rectangular, strided selection of raw bits.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..chunking import Region
+from ..errors import CheckpointError
+from ..layout import Entry
+
+FORMAT_NAME = "lean_store"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Selection:
+    """An ascending, strided box: per stored axis ``(start, count, step)`` with step >= 1."""
+
+    start: tuple[int, ...]
+    count: tuple[int, ...]
+    step: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, shape: tuple[int, ...]) -> Selection:
+        return cls(tuple(0 for _ in shape), tuple(shape), tuple(1 for _ in shape))
+
+    @classmethod
+    def of_region(cls, region: Region) -> Selection:
+        return cls(
+            tuple(s.start for s in region),
+            tuple(s.stop - s.start for s in region),
+            tuple(1 for _ in region),
+        )
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(
+            slice(a, a + (n - 1) * s + 1 if n else a, s)
+            for a, n, s in zip(self.start, self.count, self.step)
+        )
+
+
+@dataclass
+class StoredTensor:
+    """What a reader knows about one dataset before reading its data."""
+
+    node: str
+    attrs: dict[str, Any]
+    stored_shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    storage: str  # "float" | "uint" | "int" | "bool" | "compound" | "native" | "raw"
+    itemsize: int  # bytes per stored element as the backend sees it
+    nbytes_on_disk: int | None = None
+    filters: list[str] = field(default_factory=list)
+
+
+class TensorWriter(ABC):
+    """Writes one tensor, one write unit at a time."""
+
+    entry: Entry
+    chunk_shape: tuple[int, ...]
+    write_unit: tuple[int, ...]
+
+    @abstractmethod
+    def write(self, region: Region, bits: np.ndarray) -> None:
+        """Write raw words for ``region`` of the stored shape (complex: trailing axis 2)."""
+
+    @abstractmethod
+    def close(self, attrs: dict[str, Any]) -> None:
+        """Record final attributes (such as the digest) and release the dataset."""
+
+
+class StoreWriter(ABC):
+    """Creates a checkpoint at a temporary sibling and commits it atomically."""
+
+    backend: str = ""
+
+    def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any) -> None:
+        self.path = Path(path)
+        self.chunk_bytes = chunk_bytes
+        self.compression = compression
+        self.tmp_path = self.path.with_name(f".{self.path.name}.lean_store-tmp-{uuid.uuid4().hex}")
+        self._done = False
+
+    @abstractmethod
+    def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
+        """Create the dataset of ``entry`` with its attributes."""
+
+    @abstractmethod
+    def _finish(self, root_attrs: dict[str, Any]) -> None:
+        """Write root attributes (``complete`` last), flush and close the temporary copy."""
+
+    def commit(self, root_attrs: dict[str, Any]) -> None:
+        """Finish, fsync, and rename the temporary copy into place."""
+        self._finish(root_attrs)
+        fsync_tree(self.tmp_path)
+        replace_atomically(self.tmp_path, self.path)
+        self._done = True
+
+    def abort(self) -> None:
+        """Remove the temporary copy; the previous checkpoint at ``path`` is untouched."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._close_quietly()
+        finally:
+            remove_path(self.tmp_path)
+
+    def _close_quietly(self) -> None:  # pragma: no cover - overridden
+        pass
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+class StoreReader(ABC):
+    """Read access to one committed checkpoint."""
+
+    backend: str = ""
+    root_attrs: dict[str, Any]
+
+    @abstractmethod
+    def nodes(self) -> list[str]:
+        """Node names of every dataset at the root, sorted."""
+
+    @abstractmethod
+    def stored(self, node: str) -> StoredTensor:
+        """Attributes and storage description of one dataset."""
+
+    @abstractmethod
+    def read(self, node: str, selection: Selection, fmt: Any) -> np.ndarray:
+        """Raw words of ``selection`` (complex formats: trailing axis of 2)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync a file, or every file and directory of a tree."""
+    if path.is_dir():
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                _fsync(Path(root) / name)
+            _fsync_dir(Path(root))
+    else:
+        _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def replace_atomically(tmp: Path, target: Path) -> None:
+    """Move ``tmp`` to ``target``. Files: one atomic rename. Directories: the old tree is
+    renamed aside first, so it stays intact (as ``.NAME.lean_store-old-*``) until the new one is
+    in place, then removed."""
+    if tmp.is_dir() and target.exists():
+        if not target.is_dir() or target.is_symlink():
+            raise CheckpointError(f"cannot replace {target}: it is not a directory")
+        old = target.with_name(f".{target.name}.lean_store-old-{uuid.uuid4().hex}")
+        os.rename(target, old)
+        os.rename(tmp, target)
+        _fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        if target.is_dir() and not target.is_symlink():
+            raise CheckpointError(f"cannot replace directory {target} with a file")
+        os.replace(tmp, target)
+    _fsync_dir(target.parent)

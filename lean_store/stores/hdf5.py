@@ -1,0 +1,233 @@
+"""HDF5 backend (h5py): one chunked dataset per tensor, exact bits, fletcher32 per chunk.
+
+Writes and reads go through h5py's low-level API with the memory type equal to the file type,
+so HDF5 never converts a value: the bits in memory are the bits on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import h5py
+import numpy as np
+from h5py import h5d, h5p, h5s, h5z
+
+from ..chunking import Region, plan_chunks, region_shape
+from ..errors import CheckpointError, IntegrityError, UnsafeFileError
+from ..formats import ScalarFormat
+from ..layout import Entry
+from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
+from .hdf5_types import hdf5_type, needs_nbit, storage_kind
+
+LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
+_FILTER_NAMES = {
+    h5z.FILTER_DEFLATE: "gzip",
+    h5z.FILTER_SHUFFLE: "shuffle",
+    h5z.FILTER_FLETCHER32: "fletcher32",
+    h5z.FILTER_SZIP: "szip",
+    h5z.FILTER_NBIT: "nbit",
+    h5z.FILTER_SCALEOFFSET: "scaleoffset",
+    32000: "lzf",
+}
+ALLOWED_FILTERS = {h5z.FILTER_DEFLATE, h5z.FILTER_SHUFFLE, h5z.FILTER_FLETCHER32, h5z.FILTER_NBIT, 32000}
+
+
+def to_hdf5_attr(value: Any) -> Any:
+    """Attribute values: strings and numbers as themselves, shapes as int64 arrays, the rest JSON."""
+    if isinstance(value, bool):
+        return np.int8(value)
+    if isinstance(value, (str, int, float)):
+        return value
+    if isinstance(value, tuple):
+        return np.asarray(value, dtype=np.int64).reshape(-1)
+    return json.dumps(value, separators=(",", ":"))
+
+
+def from_hdf5_attr(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.ndarray):
+        return tuple(int(v) for v in value.reshape(-1)) if value.dtype.kind in "iu" else value
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _compression_filters(dcpl: h5p.PropDCID, compression: Any) -> None:
+    if compression in (None, False):
+        return
+    if compression in ("gzip", True):
+        dcpl.set_shuffle()
+        dcpl.set_deflate(4)
+    elif isinstance(compression, tuple) and compression[0] == "gzip":
+        dcpl.set_shuffle()
+        dcpl.set_deflate(int(compression[1]))
+    elif compression == "lzf":
+        dcpl.set_filter(32000, h5z.FLAG_OPTIONAL, ())
+    else:
+        raise CheckpointError(f"unknown HDF5 compression {compression!r}; use 'gzip' or 'lzf'")
+
+
+class HDF5TensorWriter(TensorWriter):
+    def __init__(self, dset: h5d.DatasetID, entry: Entry, ftype: Any, chunks: tuple[int, ...]):
+        self._dset = dset
+        self._ftype = ftype
+        self.entry = entry
+        self.chunk_shape = chunks
+        self.write_unit = chunks
+        self._itemsize = ftype.get_size()
+        self._stored_shape = dset.shape
+
+    def write(self, region: Region, bits: np.ndarray) -> None:
+        shape = region_shape(region)
+        buf = np.ascontiguousarray(bits).view(np.uint8).view(f"V{self._itemsize}").reshape(shape)
+        fspace = self._dset.get_space()
+        fspace.select_hyperslab(tuple(s.start for s in region), shape)
+        self._dset.write(h5s.create_simple(shape), fspace, buf, mtype=self._ftype)
+
+    def close(self, attrs: dict[str, Any]) -> None:
+        ds = h5py.Dataset(self._dset)
+        for key, value in attrs.items():
+            ds.attrs[key] = to_hdf5_attr(value)
+
+
+class HDF5Writer(StoreWriter):
+    backend = "hdf5"
+
+    def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None):
+        super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
+        self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, track_order=True)
+
+    def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
+        from ..naming import node_name
+
+        fmt = entry.format
+        stored = entry.shape or (1,)
+        ftype = hdf5_type(fmt)
+        chunks = plan_chunks(stored, ftype.get_size(), self.chunk_bytes)
+        dcpl = h5p.create(h5p.DATASET_CREATE)
+        dcpl.set_chunk(chunks)
+        dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
+        dcpl.set_alloc_time(h5d.ALLOC_TIME_INCR)
+        if needs_nbit(fmt):
+            dcpl.set_filter(h5z.FILTER_NBIT, 0, ())
+        _compression_filters(dcpl, self.compression)
+        dcpl.set_fletcher32()
+        space = h5s.create_simple(stored)
+        dset = h5d.create(self._file.id, node_name(entry.name).encode(), ftype, space, dcpl=dcpl)
+        ds = h5py.Dataset(dset)
+        for key, value in attrs.items():
+            ds.attrs[key] = to_hdf5_attr(value)
+        return HDF5TensorWriter(dset, entry, ftype, chunks)
+
+    def _finish(self, root_attrs: dict[str, Any]) -> None:
+        attrs = self._file.attrs
+        for key, value in root_attrs.items():
+            attrs[key] = to_hdf5_attr(value)
+        attrs["complete"] = np.int8(1)  # written last: a file without it is incomplete
+        self._file.flush()
+        self._file.close()
+
+    def _close_quietly(self) -> None:
+        try:
+            self._file.close()
+        except Exception:  # noqa: BLE001 - closing a broken file must not mask the first error
+            pass
+
+
+class HDF5Reader(StoreReader):
+    backend = "hdf5"
+
+    def __init__(self, source: Any) -> None:
+        try:
+            self._file = h5py.File(source, "r")
+        except (OSError, ValueError) as exc:
+            raise IntegrityError(f"{source}: not a readable HDF5 file ({exc})") from None
+        try:
+            self.root_attrs = {k: from_hdf5_attr(v) for k, v in self._file.attrs.items()}
+        except (OSError, TypeError, ValueError) as exc:
+            self._file.close()
+            raise IntegrityError(f"{source}: unreadable root attributes ({exc})") from None
+        self._types: dict[str, Any] = {}
+
+    def nodes(self) -> list[str]:
+        names = []
+        for name in self._file:
+            link = self._file.get(name, getlink=True)
+            if not isinstance(link, h5py.HardLink):
+                raise UnsafeFileError(f"{name!r} is a {type(link).__name__}, not a dataset")
+            names.append(name)
+        return sorted(names)
+
+    def _dataset(self, node: str) -> h5py.Dataset:
+        link = self._file.get(node, getlink=True)
+        if link is None:
+            raise IntegrityError(f"dataset {node!r} is missing")
+        if not isinstance(link, h5py.HardLink):
+            raise UnsafeFileError(f"{node!r} is a {type(link).__name__}, not a dataset")
+        obj = self._file[node]
+        if not isinstance(obj, h5py.Dataset):
+            raise IntegrityError(f"{node!r} is not a dataset")
+        return obj
+
+    def stored(self, node: str) -> StoredTensor:
+        ds = self._dataset(node)
+        dcpl = ds.id.get_create_plist()
+        layout = dcpl.get_layout()
+        if layout == h5d.VIRTUAL:
+            raise UnsafeFileError(f"{node!r} is a virtual dataset; lean_store reads its own data only")
+        if dcpl.get_external_count() > 0:
+            raise UnsafeFileError(f"{node!r} uses external raw storage outside the file")
+        filters = []
+        for i in range(dcpl.get_nfilters()):
+            code = dcpl.get_filter(i)[0]
+            if code not in ALLOWED_FILTERS:
+                raise UnsafeFileError(f"{node!r} uses an unknown HDF5 filter (id {code})")
+            filters.append(_FILTER_NAMES.get(code, str(code)))
+        try:
+            attrs = {k: from_hdf5_attr(v) for k, v in ds.attrs.items()}
+        except (OSError, TypeError, ValueError) as exc:
+            raise IntegrityError(f"{node!r}: unreadable attributes ({exc})") from None
+        ftype = ds.id.get_type()
+        self._types[node] = ftype
+        return StoredTensor(
+            node=node,
+            attrs=attrs,
+            stored_shape=tuple(ds.shape),
+            chunk_shape=tuple(ds.chunks) if ds.chunks else tuple(ds.shape),
+            storage="hdf5",
+            itemsize=ftype.get_size(),
+            nbytes_on_disk=ds.id.get_storage_size(),
+            filters=filters,
+        )
+
+    def file_type_matches(self, node: str, fmt: ScalarFormat) -> bool:
+        """True when the dataset's HDF5 type is exactly the one lean_store writes for ``fmt``."""
+        ftype = self._types.get(node) or self._dataset(node).id.get_type()
+        return bool(ftype == hdf5_type(fmt))
+
+    def read(self, node: str, selection: Selection, fmt: ScalarFormat) -> np.ndarray:
+        ds = self._dataset(node)
+        ftype = self._types.get(node) or ds.id.get_type()
+        count = selection.count
+        words = fmt.words_per_value
+        out = np.empty(count + ((2,) if words == 2 else ()), dtype=fmt.storage_dtype)
+        if out.size == 0:
+            return out
+        fspace = ds.id.get_space()
+        fspace.select_hyperslab(selection.start, count, selection.step)
+        buf = out.view(np.uint8).reshape(-1).view(f"V{ftype.get_size()}").reshape(count)
+        try:
+            ds.id.read(h5s.create_simple(count), fspace, buf, mtype=ftype)
+        except OSError as exc:
+            raise IntegrityError(f"tensor {node!r}: HDF5 read failed ({exc})") from None
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def storage_description(fmt: ScalarFormat) -> str:
+    return storage_kind(fmt)

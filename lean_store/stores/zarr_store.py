@@ -1,0 +1,203 @@
+"""Zarr v3 backend: one array per tensor, crc32c per chunk, sharding for large tensors.
+
+Formats with a native numpy dtype that every Zarr reader knows (float16/32/64, integers, bool,
+complex64/128) are stored natively, so zarr, xarray and dask users see numbers. Every other
+format is stored as its raw unsigned words (complex: a trailing axis of 2) with the format in
+the attributes. ``write_empty_chunks`` is on, so a chunk equal to the fill value (e.g. NaN
+payloads) is still written and checksummed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec, Crc32cCodec, GzipCodec, ZstdCodec
+
+from ..chunking import Region, grow_chunks, plan_chunks
+from ..errors import CheckpointError, IntegrityError, UnsafeFileError
+from ..formats import ScalarFormat
+from ..layout import Entry
+from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
+
+NATIVE_KINDS = "fiub c"
+SHARD_FACTOR = 8  # chunks per shard along the split axis, for tensors above SHARD_MIN_CHUNKS
+SHARD_MIN_CHUNKS = 8
+
+
+def native_dtype(fmt: ScalarFormat) -> np.dtype | None:
+    """The dtype zarr stores natively for ``fmt``, or None when raw words are stored."""
+    dtype = fmt.numpy_dtype
+    if dtype is None or dtype.kind not in "fiubc" or type(dtype).__module__ != "numpy.dtypes":
+        return None
+    if dtype.kind == "f" and dtype.itemsize not in (2, 4, 8):
+        return None
+    return dtype
+
+
+def stored_shape(entry: Entry) -> tuple[int, ...]:
+    shape = entry.shape or (1,)
+    if entry.format.words_per_value == 2 and native_dtype(entry.format) is None:
+        shape = shape + (2,)
+    return shape
+
+
+def _compressors(compression: Any) -> list[Any]:
+    if compression in (None, False):
+        codecs: list[Any] = []
+    elif compression in ("zstd", True):
+        codecs = [ZstdCodec(level=3)]
+    elif compression == "gzip":
+        codecs = [GzipCodec(level=4)]
+    elif compression == "blosc":
+        codecs = [BloscCodec()]
+    else:
+        raise CheckpointError(f"unknown zarr compression {compression!r}; use zstd, gzip or blosc")
+    return codecs + [Crc32cCodec()]
+
+
+class ZarrTensorWriter(TensorWriter):
+    def __init__(
+        self, array: zarr.Array, entry: Entry, chunks: tuple[int, ...], unit: tuple[int, ...]
+    ) -> None:
+        self._array = array
+        self._native = native_dtype(entry.format)
+        self._pairs = entry.format.words_per_value == 2 and self._native is None
+        self.entry = entry
+        self.chunk_shape = chunks
+        rank = len(entry.shape or (1,))
+        self.write_unit = unit[:rank]  # regions are over the logical stored shape
+
+    def write(self, region: Region, bits: np.ndarray) -> None:
+        data = np.ascontiguousarray(bits)
+        if self._native is not None:
+            data = data.view(self._native).reshape(tuple(s.stop - s.start for s in region))
+        elif self._pairs:
+            region = region + (slice(0, 2),)
+        self._array[region] = data
+
+    def close(self, attrs: dict[str, Any]) -> None:
+        self._array.attrs.update(_plain(attrs))
+
+
+def _plain(attrs: dict[str, Any]) -> dict[str, Any]:
+    """zarr attributes take only plain JSON values (a numpy scalar breaks the handle)."""
+    out = {}
+    for key, value in attrs.items():
+        if isinstance(value, tuple):
+            value = [int(v) for v in value]
+        elif isinstance(value, np.generic):
+            value = value.item()
+        out[key] = value
+    return out
+
+
+class ZarrWriter(StoreWriter):
+    backend = "zarr"
+
+    def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None):
+        super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
+        self._compressors = _compressors(compression)
+        self._group = zarr.open_group(store=str(self.tmp_path), mode="w-", zarr_format=3)
+
+    def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
+        from ..naming import node_name
+
+        fmt = entry.format
+        shape = stored_shape(entry)
+        dtype = native_dtype(fmt) or fmt.storage_dtype
+        chunks = plan_chunks(shape, dtype.itemsize, self.chunk_bytes)
+        n_chunks = math.prod(math.ceil(d / c) for d, c in zip(shape, chunks) if d)
+        shards = grow_chunks(shape, chunks, SHARD_FACTOR) if n_chunks >= SHARD_MIN_CHUNKS else None
+        array = self._group.create_array(
+            node_name(entry.name),
+            shape=shape,
+            dtype=dtype,
+            chunks=chunks,
+            shards=shards,
+            compressors=self._compressors,
+            filters=None,
+            fill_value=0,
+            attributes=_plain(attrs),
+            config={"write_empty_chunks": True},
+        )
+        return ZarrTensorWriter(array, entry, chunks, shards or chunks)
+
+    def _finish(self, root_attrs: dict[str, Any]) -> None:
+        self._group.attrs.update(_plain(root_attrs))
+        self._group.attrs["complete"] = True  # written last: a store without it is incomplete
+
+
+class ZarrReader(StoreReader):
+    backend = "zarr"
+
+    def __init__(self, source: Any) -> None:
+        self._root = Path(source) if isinstance(source, (str, os.PathLike)) else None
+        try:
+            self._group = zarr.open_group(store=source, mode="r", zarr_format=3)
+            self.root_attrs = dict(self._group.attrs)
+        except Exception as exc:  # zarr raises many types for malformed stores
+            raise IntegrityError(f"{source}: not a readable Zarr v3 group ({exc})") from None
+        self._arrays: dict[str, zarr.Array] = {}
+
+    def nodes(self) -> list[str]:
+        try:
+            names = sorted(name for name, _ in self._group.arrays())
+        except Exception as exc:
+            raise IntegrityError(f"unreadable Zarr group listing ({exc})") from None
+        return names
+
+    def _array(self, node: str) -> zarr.Array:
+        array = self._arrays.get(node)
+        if array is None:
+            if self._root is not None:
+                path = self._root / node
+                if path.is_symlink() or not path.resolve().is_relative_to(self._root.resolve()):
+                    raise UnsafeFileError(f"{node!r} points outside the checkpoint")
+            try:
+                array = self._group[node]
+            except Exception as exc:
+                raise IntegrityError(f"array {node!r} is missing or unreadable ({exc})") from None
+            if not isinstance(array, zarr.Array):
+                raise IntegrityError(f"{node!r} is not an array")
+            self._arrays[node] = array
+        return array
+
+    def stored(self, node: str) -> StoredTensor:
+        array = self._array(node)
+        meta = array.metadata
+        filters = [type(c).__name__ for c in getattr(meta, "codecs", ())]
+        return StoredTensor(
+            node=node,
+            attrs=dict(array.attrs),
+            stored_shape=tuple(array.shape),
+            chunk_shape=tuple(array.chunks),
+            storage="zarr",
+            itemsize=array.dtype.itemsize,
+            nbytes_on_disk=None,
+            filters=filters,
+        )
+
+    def array_dtype(self, node: str) -> np.dtype:
+        return np.dtype(self._array(node).dtype)
+
+    def read(self, node: str, selection: Selection, fmt: ScalarFormat) -> np.ndarray:
+        array = self._array(node)
+        words = fmt.words_per_value
+        raw_pairs = words == 2 and native_dtype(fmt) is None
+        key = selection.slices() + ((slice(None),) if raw_pairs else ())
+        out_shape = selection.count + ((2,) if words == 2 else ())
+        if math.prod(out_shape) == 0:
+            return np.empty(out_shape, dtype=fmt.storage_dtype)
+        try:
+            data = np.asarray(array[key])
+        except Exception as exc:
+            raise IntegrityError(f"tensor {node!r}: Zarr read failed ({exc})") from None
+        return np.ascontiguousarray(data).view(fmt.storage_dtype).reshape(out_shape)
+
+    def close(self) -> None:
+        self._arrays.clear()
