@@ -1,0 +1,1 @@
+"""Readers and writers for checkpoint files of other ML frameworks."""
