@@ -488,6 +488,23 @@ def test_adam_v4_fields_and_bits() -> None:
     assert encode_adam(f) == ADAM_V4  # entry order and NaN payload kept
 
 
+def test_adam_doc_example() -> None:
+    """The 135-byte version 2 example of docs/TORCHLEAN_FILES.md."""
+    data = bytes.fromhex(
+        "544c4144414d46" + "0200000000000000" + "0000000000000000"
+        + "cdccccccccccec3f" + "2b8716d9cef7ef3f" + "3a8c30e28e79453e" + "0000000000000000"
+        + "0100000000000000" * 6 + "0000000000000000" + "0100000000000000" * 2
+        + "0000003f" + "0000803e"
+    )  # fmt: skip
+    assert len(data) == 135
+    f = read_adam(data)
+    assert (f.beta1, f.beta2, f.eps, f.weight_decay) == (0.9, 0.999, 1e-8, 0.0)
+    assert [(p.shape, p.requires_grad) for p in f.params] == [((1,), True)]
+    (e,) = f.entries
+    assert (e.id, e.step, e.m.tolist(), e.v.tolist()) == (0, 1, [0.5], [0.25])
+    assert encode_adam(f) == data
+
+
 def test_adam_built_from_dataclasses(tmp_path) -> None:
     f = TLAdamFile(
         version=2,
