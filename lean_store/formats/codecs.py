@@ -128,12 +128,14 @@ def encode_generic(fmt: BinaryFormat, values: np.ndarray) -> np.ndarray:
     """gfloat's round-then-encode for any binary format."""
     info = gfloat_info(fmt)
     flat = values.reshape(-1)
-    if fmt.encoding in ("finite-max-nan", "finite-unsigned-zero"):
-        # Out of range becomes NaN, as ml_dtypes does for fn/fnuz types.
-        rounded = gfloat.round_ndarray(info, np.where(np.isinf(flat), np.nan, flat))
-        rounded = np.where(np.isinf(rounded), np.nan, rounded)
-    else:
-        rounded = gfloat.round_ndarray(info, flat, sat=fmt.encoding == "finite")
+    # gfloat scales huge inputs with ldexp, which warns on the overflow that it then handles.
+    with np.errstate(over="ignore", invalid="ignore"):
+        if fmt.encoding in ("finite-max-nan", "finite-unsigned-zero"):
+            # Out of range becomes NaN, as ml_dtypes does for fn/fnuz types.
+            rounded = gfloat.round_ndarray(info, np.where(np.isinf(flat), np.nan, flat))
+            rounded = np.where(np.isinf(rounded), np.nan, rounded)
+        else:
+            rounded = gfloat.round_ndarray(info, flat, sat=fmt.encoding == "finite")
     rounded = np.asarray(rounded, dtype=np.float64)
     codes = np.asarray(gfloat.encode_ndarray(info, rounded)).astype(fmt.storage_dtype)
     nan = np.isnan(rounded)
