@@ -8,8 +8,11 @@ reports their attributes and storage, and reads any rectangular, strided selecti
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import sys
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -120,7 +123,7 @@ class StoreWriter(ABC):
         finally:
             remove_path(self.tmp_path)
 
-    def _close_quietly(self) -> None:  # pragma: no cover - overridden
+    def _close_quietly(self) -> None:  # noqa: B027 # pragma: no cover - overridden
         pass
 
     def __enter__(self) -> StoreWriter:
@@ -202,12 +205,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 def replace_atomically(tmp: Path, target: Path) -> None:
-    """Move ``tmp`` to ``target``. Files: one atomic rename. Directories: the old tree is
-    renamed aside first, so it stays intact (as ``.NAME.lean_store-old-*``) until the new one is
-    in place, then removed."""
+    """Move ``tmp`` to ``target``. Files: one atomic rename. Directories: one atomic exchange
+    (Linux ``renameat2(RENAME_EXCHANGE)``), then the old tree, now at ``tmp``, is removed. Where
+    the exchange is unsupported the old tree is renamed aside first (``.NAME.lean_store-old-*``):
+    a crash between the two renames leaves no checkpoint at ``target`` (see docs/SECURITY.md)."""
     if tmp.is_dir() and target.exists():
         if not target.is_dir() or target.is_symlink():
             raise CheckpointError(f"cannot replace {target}: it is not a directory")
+        if _exchange(tmp, target):
+            _fsync_dir(target.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         old = target.with_name(f".{target.name}.lean_store-old-{uuid.uuid4().hex}")
         os.rename(target, old)
         os.rename(tmp, target)
@@ -218,3 +226,21 @@ def replace_atomically(tmp: Path, target: Path) -> None:
             raise CheckpointError(f"cannot replace directory {target} with a file")
         os.replace(tmp, target)
     _fsync_dir(target.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
