@@ -14,7 +14,14 @@ import gfloat
 import numpy as np
 
 from ..errors import FormatError
-from .model import BinaryFormat, BoolFormat, ComplexFormat, ExponentFormat, IntegerFormat, ScalarFormat
+from .model import (
+    BinaryFormat,
+    BoolFormat,
+    ComplexFormat,
+    ExponentFormat,
+    IntegerFormat,
+    ScalarFormat,
+)
 
 
 @lru_cache(maxsize=256)
