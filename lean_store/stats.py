@@ -1,0 +1,150 @@
+"""Per-tensor statistics, streamed block by block with bounded memory, decoded exactly.
+
+Every format is decoded exactly (``Encoded`` formats through their codec) before anything is
+computed. ``min``/``max``/``mean`` are over the finite values; NaN and infinities are counted
+separately. Integer means are exact (the sum is kept as a Python integer); float means sum
+each block pairwise in float64 and combine the block sums with ``math.fsum``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .formats import BoolFormat, ComplexFormat, IntegerFormat
+from .layout import Entry
+from .reading import DEFAULT_BLOCK_BYTES, decoder, iter_words
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
+
+
+@dataclass
+class TensorStats:
+    """Statistics of one tensor. Complex tensors have no min/max; their mean is complex."""
+
+    name: str
+    count: int = 0
+    finite: int = 0
+    nan: int = 0
+    posinf: int = 0
+    neginf: int = 0
+    min: Any = None
+    max: Any = None
+    mean: Any = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key in ("min", "max", "mean"):
+            out[key] = _json_number(out[key])
+        return out
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, complex):
+        return {"re": _json_number(value.real), "im": _json_number(value.imag)}
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class _Accumulator:
+    def __init__(self, entry: Entry) -> None:
+        self.entry = entry
+        self.stats = TensorStats(entry.name)
+        fmt = entry.format
+        self.integral = isinstance(fmt, (IntegerFormat, BoolFormat))
+        self.complex = isinstance(fmt, ComplexFormat)
+        self.decode = decoder(fmt)
+        self.int_sum = 0
+        self.float_sums: list[float] = []
+        self.complex_sums: list[complex] = []
+
+    def add(self, words: np.ndarray) -> None:
+        values = self.decode(words).reshape(-1)
+        s = self.stats
+        s.count += values.size
+        if values.size == 0:
+            return
+        if self.integral:
+            self._add_integers(values)
+            return
+        if self.complex:
+            re, im = values.real, values.imag
+            nan = np.isnan(re) | np.isnan(im)
+            inf = ~nan & (np.isinf(re) | np.isinf(im))
+            s.nan += int(nan.sum())
+            s.posinf += int(inf.sum())  # complex infinities have no sign: counted as posinf
+            finite = values[~nan & ~inf]
+            s.finite += finite.size
+            if finite.size:
+                self.complex_sums.append(complex(finite.sum()))
+            return
+        nan = np.isnan(values)
+        s.nan += int(nan.sum())
+        s.posinf += int(np.count_nonzero(values == np.inf))
+        s.neginf += int(np.count_nonzero(values == -np.inf))
+        finite = values[np.isfinite(values)]
+        s.finite += finite.size
+        if finite.size:
+            lo, hi = float(finite.min()), float(finite.max())
+            s.min = lo if s.min is None else min(s.min, lo)
+            s.max = hi if s.max is None else max(s.max, hi)
+            self.float_sums.append(float(finite.sum()))
+
+    def _add_integers(self, values: np.ndarray) -> None:
+        s = self.stats
+        s.finite += values.size
+        lo, hi = int(values.min()), int(values.max())
+        s.min = lo if s.min is None else min(s.min, lo)
+        s.max = hi if s.max is None else max(s.max, hi)
+        if values.dtype == np.bool_:
+            self.int_sum += int(np.count_nonzero(values))
+        elif values.dtype.itemsize < 8:
+            self.int_sum += int(values.sum(dtype=np.int64))
+        else:  # split 64-bit words so that no partial sum can overflow
+            wide = values.view(np.uint64) if values.dtype.kind == "u" else values
+            high = (wide >> 32).astype(np.int64)
+            low = (wide & 0xFFFFFFFF).astype(np.int64)
+            self.int_sum += (int(high.sum()) << 32) + int(low.sum())
+
+    def finish(self) -> TensorStats:
+        s = self.stats
+        if s.finite:
+            if self.integral:
+                s.mean = self.int_sum / s.finite  # Python int / int: correctly rounded
+            elif self.complex:
+                re = math.fsum(c.real for c in self.complex_sums)
+                im = math.fsum(c.imag for c in self.complex_sums)
+                s.mean = complex(re / s.finite, im / s.finite)
+            else:
+                s.mean = math.fsum(self.float_sums) / s.finite
+        return s
+
+
+def tensor_stats(
+    ck: Checkpoint, name: str, *, block_bytes: int = DEFAULT_BLOCK_BYTES, progress: Any = None
+) -> TensorStats:
+    """Statistics of one tensor, reading it block by block (its digest is verified)."""
+    entry = ck.layout[name]
+    acc = _Accumulator(entry)
+    for _, words in iter_words(ck, entry, block_bytes):
+        acc.add(words)
+        if progress is not None:
+            progress.advance(words.nbytes)
+    return acc.finish()
+
+
+def iter_stats(
+    ck: Checkpoint, *, block_bytes: int = DEFAULT_BLOCK_BYTES, progress: Any = None
+) -> Iterator[TensorStats]:
+    """Statistics of every tensor, in layout order."""
+    for entry in ck.layout:
+        yield tensor_stats(ck, entry.name, block_bytes=block_bytes, progress=progress)
+
+
+__all__ = ["TensorStats", "iter_stats", "tensor_stats"]
