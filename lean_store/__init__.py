@@ -9,13 +9,12 @@
 """
 
 from . import formats
+from ._version import __version__ as __version__
 from .checkpoint import Checkpoint, LoadResult, TensorHandle, load, load_state, open, save
 from .encoded import Encoded
 from .errors import CheckpointError, FormatError, IntegrityError, LayoutError, UnsafeFileError
 from .formats import ScalarFormat
 from .layout import Difference, Entry, Layout
-
-from ._version import __version__
 
 __all__ = [
     "Checkpoint",

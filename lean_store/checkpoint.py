@@ -412,7 +412,9 @@ def load(
     """
     casts = _casts(cast)
     targets = tensor_targets(target)
-    target_layout = Layout.from_specs([(n, t.entry.shape, t.entry.format) for n, t in targets.items()])
+    target_layout = Layout.from_specs(
+        [(n, t.entry.shape, t.entry.format) for n, t in targets.items()]
+    )
     with Checkpoint(path) as ck:
         expected = expected_with_casts(ck.layout, target_layout, casts)
         ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,

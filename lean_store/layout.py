@@ -103,7 +103,7 @@ class Layout(Sequence[Entry]):
 
     @classmethod
     def of(cls, obj: Any) -> Layout:
-        """The layout of a torch module, a state dict, a mapping of arrays/``Encoded``, or a Layout."""
+        """The layout of a torch module, a state dict, a mapping of arrays or ``Encoded``."""
         if isinstance(obj, Layout):
             return obj
         from .sources import tensor_source
@@ -168,7 +168,11 @@ class Layout(Sequence[Entry]):
         return Layout.from_specs([(n, self[n].shape, self[n].format) for n in names])
 
     def diff(
-        self, expected: Layout, *, order_matters: bool = True, allow_missing: bool = False,
+        self,
+        expected: Layout,
+        *,
+        order_matters: bool = True,
+        allow_missing: bool = False,
         allow_extra: bool = False,
     ) -> list[Difference]:
         """Every difference between this (actual) layout and ``expected``."""
@@ -203,7 +207,9 @@ class Layout(Sequence[Entry]):
                 if expected_name != found_name:
                     diffs.append(
                         Difference(
-                            "order", expected_name, expected[expected_name].index,
+                            "order",
+                            expected_name,
+                            expected[expected_name].index,
                             self[expected_name].index,
                         )
                     )

@@ -97,7 +97,9 @@ def parse_root(attrs: dict[str, Any], where: str) -> tuple[int, str, Layout]:
         raise IntegrityError(f"{where}: tensor_count {count!r} but the layout lists {len(layout)}")
     for entry in layout:
         if math.prod(entry.shape) > MAX_ELEMENTS:
-            raise IntegrityError(f"{where}: tensor {entry.name!r} claims an absurd shape {entry.shape}")
+            raise IntegrityError(
+                f"{where}: tensor {entry.name!r} claims an absurd shape {entry.shape}"
+            )
     return version, kind, layout
 
 
@@ -140,7 +142,9 @@ def _check_tensor(reader: StoreReader, entry: Entry, info: StoredTensor) -> list
         if key == "shape" and isinstance(got, list):
             got = tuple(got)
         if got != wanted[key]:
-            problems.append(f"tensor {name!r}: attribute {key} is {got!r}, layout says {wanted[key]!r}")
+            problems.append(
+                f"tensor {name!r}: attribute {key} is {got!r}, layout says {wanted[key]!r}"
+            )
     shape = expected_stored_shape(entry, reader.backend)
     if info.stored_shape != shape:
         problems.append(
@@ -156,9 +160,12 @@ def _check_tensor(reader: StoreReader, entry: Entry, info: StoredTensor) -> list
         want = native_dtype(entry.format) or entry.format.storage_dtype
         got_dtype = reader.array_dtype(info.node)  # type: ignore[attr-defined]
         if got_dtype != want:
-            problems.append(f"tensor {name!r}: zarr dtype {got_dtype} does not encode {entry.format.tag}")
+            problems.append(
+                f"tensor {name!r}: zarr dtype {got_dtype} does not encode {entry.format.tag}"
+            )
     crc = attrs.get("crc32c")
-    if crc is not None and (not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 2**32):
+    valid_crc = isinstance(crc, int) and not isinstance(crc, bool) and 0 <= crc < 2**32
+    if crc is not None and not valid_crc:
         problems.append(f"tensor {name!r}: malformed crc32c attribute {crc!r}")
     return problems
 

@@ -33,7 +33,9 @@ def make_model() -> torch.nn.Module:
 def train(model: torch.nn.Module, steps: int, seed: int) -> list[float]:
     gen = torch.Generator().manual_seed(seed)
     inputs = torch.randn(512, 16, generator=gen)
-    labels = (inputs[:, :3].sum(dim=1, keepdim=True) > 0).long().squeeze(1) + (inputs[:, 3] > 1).long()
+    labels = (inputs[:, :3].sum(dim=1, keepdim=True) > 0).long().squeeze(1) + (
+        inputs[:, 3] > 1
+    ).long()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     model.train()
@@ -50,9 +52,15 @@ def train(model: torch.nn.Module, steps: int, seed: int) -> list[float]:
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and bool(
-        torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
-                    b.reshape(-1).contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bool(
+            torch.equal(
+                a.reshape(-1).contiguous().view(torch.uint8),
+                b.reshape(-1).contiguous().view(torch.uint8),
+            )
+        )
     )
 
 
@@ -85,12 +93,20 @@ def main() -> None:
         fresh.register_buffer("ema_bf16", torch.zeros(64, dtype=torch.bfloat16))
         ls.load(fresh, path)
         fresh.eval()
-        same = all(bits_equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                   fresh.state_dict().values()))
+        same = all(
+            bits_equal(a, b)
+            for a, b in zip(model.state_dict().values(), fresh.state_dict().values())
+        )
         pred_same = bits_equal(fresh(probe), expected)
         size = sum(f.stat().st_size for f in [path] + list(path.rglob("*")) if f.is_file())
-        table.add_row(suffix[1:], str(path), str(len(layout)), f"{size:,}",
-                      "yes" if same else "NO", "identical" if pred_same else "DIFFERENT")
+        table.add_row(
+            suffix[1:],
+            str(path),
+            str(len(layout)),
+            f"{size:,}",
+            "yes" if same else "NO",
+            "identical" if pred_same else "DIFFERENT",
+        )
         if not (same and pred_same):
             raise SystemExit(f"restore from {path} was not exact")
     console.print(table)
@@ -104,8 +120,22 @@ def main() -> None:
         console.print(f"  ema_bf16[:3] = {ck['ema_bf16'][:3]}")
     h5dump = shutil.which("h5dump")
     if h5dump:
-        out = subprocess.run([h5dump, "-A", "0", "-d", "/ema_bf16", "-s", "0", "-c", "3",
-                              str(args.out / "model.h5")], capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                h5dump,
+                "-A",
+                "0",
+                "-d",
+                "/ema_bf16",
+                "-s",
+                "0",
+                "-c",
+                "3",
+                str(args.out / "model.h5"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         console.print("  h5dump -A 0 -d /ema_bf16 -s 0 -c 3 (HDF5's own tools read it too):")
         for line in out.stdout.splitlines():
             if "DATATYPE" in line or "(0)" in line:

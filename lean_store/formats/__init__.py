@@ -1,8 +1,10 @@
 """Scalar formats: tags, widths, exact codecs and packing.
 
 >>> from lean_store import formats
->>> formats.binary(8, 7) is formats.get("bfloat16") or formats.binary(8, 7) == formats.get("bfloat16")
+>>> formats.binary(8, 7) == formats.get("bfloat16")
 True
+>>> formats.binary(5, 6).tag
+'binary_5_6_15_ieee'
 """
 
 from .codecs import decode, encode

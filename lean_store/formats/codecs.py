@@ -188,6 +188,12 @@ def _encode_integer(fmt: IntegerFormat, values: Any) -> np.ndarray:
 
 
 __all__ = [
-    "decode", "decode_generic", "encode", "encode_generic", "check_bits", "gfloat_info", "nan_code"
+    "decode",
+    "decode_generic",
+    "encode",
+    "encode_generic",
+    "check_bits",
+    "gfloat_info",
+    "nan_code",
 ]
 _ = ExponentFormat  # exponent formats always have an ml_dtypes dtype

@@ -147,9 +147,19 @@ class BinaryFormat(ScalarFormat):
 
     @property
     def torchlean_tag(self) -> str:
-        if (self.exponent_bits, self.fraction_bits, self.bias, self.encoding) == (11, 52, 1023, "ieee"):
+        if (self.exponent_bits, self.fraction_bits, self.bias, self.encoding) == (
+            11,
+            52,
+            1023,
+            "ieee",
+        ):
             return "torchlean_state_bits_v1"
-        if (self.exponent_bits, self.fraction_bits, self.bias, self.encoding) == (8, 23, 127, "ieee"):
+        if (self.exponent_bits, self.fraction_bits, self.bias, self.encoding) == (
+            8,
+            23,
+            127,
+            "ieee",
+        ):
             return "torchlean_state_float32_bits_v1"
         return (
             f"torchlean_state_binary_{self.exponent_bits}_{self.fraction_bits}"
@@ -168,7 +178,7 @@ class BinaryFormat(ScalarFormat):
 
 @dataclass(frozen=True, repr=False)
 class ExponentFormat(ScalarFormat):
-    """Unsigned, exponent-only scale format (OCP MX ``E8M0``): value = 2^(bits - bias), all ones NaN."""
+    """Unsigned exponent-only scale format (OCP MX ``E8M0``): 2^(bits - bias); all ones is NaN."""
 
     exponent_bits: int = 8
     bias: int = 127
@@ -232,7 +242,9 @@ class ComplexFormat(ScalarFormat):
 
     def __post_init__(self) -> None:
         if not isinstance(self.component, (BinaryFormat, ExponentFormat)):
-            raise FormatError(f"complex components must be binary float formats, not {self.component}")
+            raise FormatError(
+                f"complex components must be binary float formats, not {self.component}"
+            )
         if isinstance(self.component, ExponentFormat):
             raise FormatError("float8_e8m0fnu is unsigned and cannot be a complex component")
 

@@ -31,11 +31,13 @@ _FILTER_NAMES = {
     h5z.FILTER_SCALEOFFSET: "scaleoffset",
     32000: "lzf",
 }
-ALLOWED_FILTERS = {h5z.FILTER_DEFLATE, h5z.FILTER_SHUFFLE, h5z.FILTER_FLETCHER32, h5z.FILTER_NBIT, 32000}
+ALLOWED_FILTERS = {
+    h5z.FILTER_DEFLATE, h5z.FILTER_SHUFFLE, h5z.FILTER_FLETCHER32, h5z.FILTER_NBIT, 32000,
+}
 
 
 def to_hdf5_attr(value: Any) -> Any:
-    """Attribute values: strings and numbers as themselves, shapes as int64 arrays, the rest JSON."""
+    """Attributes: strings and numbers as themselves, shapes as int64 arrays, the rest as JSON."""
     if isinstance(value, bool):
         return np.int8(value)
     if isinstance(value, (str, int, float)):
@@ -177,7 +179,9 @@ class HDF5Reader(StoreReader):
         dcpl = ds.id.get_create_plist()
         layout = dcpl.get_layout()
         if layout == h5d.VIRTUAL:
-            raise UnsafeFileError(f"{node!r} is a virtual dataset; lean_store reads its own data only")
+            raise UnsafeFileError(
+                f"{node!r} is a virtual dataset; lean_store reads its own data only"
+            )
         if dcpl.get_external_count() > 0:
             raise UnsafeFileError(f"{node!r} uses external raw storage outside the file")
         filters = []

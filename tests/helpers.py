@@ -1,0 +1,76 @@
+"""Shared test helpers: bit-level comparison and states covering every format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import lean_store as ls
+from lean_store import formats
+
+CONFIGURED = [
+    formats.binary(5, 6),  # 12-bit IEEE-like
+    formats.binary(8, 23, encoding="finite"),
+    formats.binary(3, 2, encoding="finite-max-nan"),
+    formats.binary(6, 9, bias=20, encoding="finite-unsigned-zero"),
+    formats.complex_of(formats.get("bfloat16")),
+    formats.complex_of(formats.binary(5, 6)),
+]
+ALL_FORMATS = list(formats.STANDARD.values()) + CONFIGURED
+BACKENDS = ["hdf5", "zarr"]
+SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
+
+
+def sample_bits(fmt: ls.ScalarFormat, rng: np.random.Generator, n: int = 300) -> np.ndarray:
+    """Raw words: every code point for formats up to 16 bits, else random words + specials."""
+    word = fmt.word_width
+    dtype = fmt.storage_dtype
+    if isinstance(fmt, formats.BoolFormat):
+        words = np.array([0, 1, 1, 0], dtype=np.uint8)
+    elif word <= 16:
+        words = np.arange(1 << word, dtype=np.uint64).astype(dtype)
+    else:
+        top = (1 << word) - 1
+        specials = [0, 1, top, top >> 1, 1 << (word - 1), (top >> 1) - 1, (1 << (word - 1)) + 1]
+        rand = rng.integers(0, top, size=n, dtype=np.uint64, endpoint=True)
+        words = np.concatenate([np.array(specials, dtype=np.uint64), rand]).astype(dtype)
+    if fmt.words_per_value == 2:
+        words = words[: len(words) // 2 * 2].reshape(-1, 2)
+    return words
+
+
+def value_of(bits: np.ndarray, fmt: ls.ScalarFormat) -> Any:
+    """A numpy array of the format's dtype when it has one, else an Encoded."""
+    dtype = fmt.numpy_dtype
+    if dtype is None:
+        return ls.Encoded(bits, fmt)
+    if fmt.words_per_value == 2:
+        return np.ascontiguousarray(bits).view(dtype).reshape(bits.shape[:-1])
+    return bits.view(dtype)
+
+
+def raw(value: Any) -> tuple[str, tuple[int, ...], bytes]:
+    """(format tag, shape, raw little-endian bytes) of an array, Encoded or torch tensor."""
+    if isinstance(value, ls.Encoded):
+        return value.format.tag, value.shape, value.bits.tobytes()
+    if hasattr(value, "detach"):
+        import torch
+
+        t = value.detach().cpu().contiguous()
+        if t.is_complex():
+            t = torch.view_as_real(t).contiguous()
+            return (
+                str(value.dtype),
+                tuple(value.shape),
+                t.reshape(-1).view(torch.uint8).numpy().tobytes(),
+            )
+        return str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    arr = np.asarray(value)
+    return ls.formats.of_numpy_dtype(arr.dtype).tag, arr.shape, np.ascontiguousarray(arr).tobytes()
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert raw(a[name]) == raw(b[name]), name
