@@ -316,6 +316,18 @@ class Checkpoint(Mapping[str, TensorHandle]):
             for _ in self.iter_bits(entry):
                 pass
 
+    def to_dask(self, name: str) -> Any:
+        """A lazy dask array of tensor ``name``, chunked like the store (see ``analysis``)."""
+        from .analysis import to_dask
+
+        return to_dask(self, name)
+
+    def to_xarray(self) -> Any:
+        """An ``xarray.Dataset`` of every tensor as lazy dask variables (see ``analysis``)."""
+        from .analysis import to_xarray
+
+        return to_xarray(self)
+
     def close(self) -> None:
         self._reader.close()
 

@@ -1,0 +1,119 @@
+"""Lazy analysis: dask arrays chunked like the store, and an xarray Dataset of every tensor.
+
+>>> with ls.open("run.h5") as ck:
+...     w = ck.to_dask("layer.weight")        # nothing read yet
+...     w.mean().compute()                    # reads chunk by chunk, in parallel
+...     ds = ck.to_xarray()                   # one variable per tensor, all lazy
+
+Formats with a numpy dtype (ml_dtypes included) keep it; every other format is decoded exactly
+to float64 (complex128 for complex formats), chunk by chunk, inside the dask graph. Each chunk
+read is checked by the store's per-chunk checksum (HDF5 fletcher32, Zarr crc32c).
+
+The graph holds the checkpoint's path, not an open file: every process (a dask worker on a
+distributed cluster included) opens its own read-only handle the first time it needs a chunk, so
+a graph can be shipped to ``dask.distributed`` workers that see the same file system.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import CheckpointError
+from .reading import decoder, values_dtype
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
+
+_OPEN: dict[tuple[str, str], Checkpoint] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def _checkpoint(path: str, backend: str) -> Checkpoint:
+    """A per-process shared read-only handle (opened and validated once)."""
+    key = (path, backend)
+    with _OPEN_LOCK:
+        ck = _OPEN.get(key)
+        if ck is None:
+            from .checkpoint import Checkpoint
+
+            ck = _OPEN[key] = Checkpoint(path, backend=backend)
+        return ck
+
+
+def close_handles() -> None:
+    """Close the handles that lazy arrays opened in this process."""
+    with _OPEN_LOCK:
+        for ck in _OPEN.values():
+            ck.close()
+        _OPEN.clear()
+
+
+class TensorBlocks:
+    """Array-like block reader for ``dask.array.from_array`` (holds a path, not a file)."""
+
+    def __init__(self, path: str, backend: str, name: str, shape: tuple[int, ...], fmt: Any):
+        self.path, self.backend, self.name = path, backend, name
+        self.shape = shape
+        self.ndim = len(shape)
+        self.format = fmt
+        self.dtype = fmt.numpy_dtype if fmt.numpy_dtype is not None else values_dtype(fmt)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        handle = _checkpoint(self.path, self.backend)[self.name]
+        words = handle.bits(key)
+        fmt = self.format
+        if fmt.numpy_dtype is None:
+            return decoder(fmt)(words)
+        from .checkpoint import as_values
+
+        return np.asarray(as_values(words, fmt))
+
+
+def to_dask(ck: Checkpoint, name: str) -> Any:
+    """A lazy dask array of tensor ``name``, one dask chunk per stored chunk."""
+    try:
+        import dask.array as da
+        from dask.base import tokenize
+    except ImportError:  # pragma: no cover - dask is an optional dependency
+        raise CheckpointError("to_dask needs dask: pip install 'lean_store[analysis]'") from None
+    if name not in ck.layout:
+        raise KeyError(name)
+    handle = ck[name]
+    if not isinstance(ck.path, (str, os.PathLike)):
+        raise CheckpointError("to_dask needs a checkpoint opened from a path")
+    path = os.path.abspath(os.fspath(ck.path))
+    blocks = TensorBlocks(path, ck.backend, name, handle.shape, handle.format)
+    chunks: Any = tuple(handle.chunks[: handle.ndim]) if handle.ndim else ()
+    stat = os.stat(path)
+    token = tokenize(path, stat.st_mtime_ns, stat.st_size, name)
+    return da.from_array(
+        blocks, chunks=chunks, name=f"lean_store-{token}", asarray=False, fancy=False,
+        lock=False, meta=np.empty((0,) * handle.ndim, dtype=blocks.dtype),
+    )
+
+
+def to_xarray(ck: Checkpoint) -> Any:
+    """An ``xarray.Dataset`` with one lazy (dask) variable per tensor, in layout order.
+
+    Dimensions are named ``"<tensor>.dim_<i>"`` so that tensors never share an axis by accident.
+    Each variable's attrs carry its ``format`` tag, ``width`` and ``index``.
+    """
+    try:
+        import xarray as xr
+    except ImportError:  # pragma: no cover - xarray is an optional dependency
+        raise CheckpointError("to_xarray needs xarray: pip install lean_store[analysis]") from None
+    variables = {}
+    for entry in ck.layout:
+        dims = tuple(f"{entry.name}.dim_{i}" for i in range(len(entry.shape)))
+        attrs = {"format": entry.format.tag, "width": entry.format.width, "index": entry.index}
+        variables[entry.name] = xr.Variable(dims, to_dask(ck, entry.name), attrs=attrs)
+    attrs = {"lean_store_kind": ck.kind, "format_version": ck.format_version,
+             "path": os.fspath(ck.path)}
+    return xr.Dataset(variables, attrs=attrs)
+
+
+__all__ = ["TensorBlocks", "close_handles", "to_dask", "to_xarray"]
