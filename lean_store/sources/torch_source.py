@@ -160,4 +160,5 @@ def new_tensor(bits: np.ndarray, fmt: ScalarFormat, shape: tuple[int, ...], devi
         out = torch.view_as_complex(real.contiguous())
     else:
         out = words.view(dtype).reshape(shape)
-    return out.to(device) if device is not None and str(device) != "cpu" else out.clone()
+    # ``bits`` is a fresh array owned by the caller, so the CPU tensor can share its memory.
+    return out.to(device) if device is not None and str(device) != "cpu" else out
