@@ -17,6 +17,7 @@ from h5py import h5d, h5p, h5s, h5z
 from ..chunking import Region, plan_chunks, region_shape
 from ..errors import CheckpointError, IntegrityError, UnsafeFileError
 from ..formats import ScalarFormat
+from ..hardening import check_hdf5_present, read_hdf5_attrs
 from ..layout import Entry
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
 from .hdf5_types import hdf5_type, needs_nbit, storage_kind
@@ -148,13 +149,19 @@ class HDF5Reader(StoreReader):
         except (OSError, ValueError) as exc:
             raise IntegrityError(f"{source}: not a readable HDF5 file ({exc})") from None
         try:
-            self.root_attrs = {k: from_hdf5_attr(v) for k, v in self._file.attrs.items()}
-        except (OSError, TypeError, ValueError) as exc:
+            self.root_attrs = read_hdf5_attrs(self._file, str(source))
+        except BaseException:
             self._file.close()
-            raise IntegrityError(f"{source}: unreadable root attributes ({exc})") from None
+            raise
         self._types: dict[str, Any] = {}
 
     def nodes(self) -> list[str]:
+        try:
+            return self._nodes()
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(f"unreadable HDF5 group listing ({exc})") from None
+
+    def _nodes(self) -> list[str]:
         names = []
         for name in self._file:
             link = self._file.get(name, getlink=True)
@@ -164,17 +171,29 @@ class HDF5Reader(StoreReader):
         return sorted(names)
 
     def _dataset(self, node: str) -> h5py.Dataset:
-        link = self._file.get(node, getlink=True)
+        try:
+            link = self._file.get(node, getlink=True)
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(f"dataset {node!r} is unreadable ({exc})") from None
         if link is None:
             raise IntegrityError(f"dataset {node!r} is missing")
         if not isinstance(link, h5py.HardLink):
             raise UnsafeFileError(f"{node!r} is a {type(link).__name__}, not a dataset")
-        obj = self._file[node]
+        try:
+            obj = self._file[node]
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(f"dataset {node!r} is unreadable ({exc})") from None
         if not isinstance(obj, h5py.Dataset):
             raise IntegrityError(f"{node!r} is not a dataset")
         return obj
 
     def stored(self, node: str) -> StoredTensor:
+        try:
+            return self._stored(node)
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise IntegrityError(f"dataset {node!r}: unreadable metadata ({exc})") from None
+
+    def _stored(self, node: str) -> StoredTensor:
         ds = self._dataset(node)
         dcpl = ds.id.get_create_plist()
         layout = dcpl.get_layout()
@@ -190,10 +209,8 @@ class HDF5Reader(StoreReader):
             if code not in ALLOWED_FILTERS:
                 raise UnsafeFileError(f"{node!r} uses an unknown HDF5 filter (id {code})")
             filters.append(_FILTER_NAMES.get(code, str(code)))
-        try:
-            attrs = {k: from_hdf5_attr(v) for k, v in ds.attrs.items()}
-        except (OSError, TypeError, ValueError) as exc:
-            raise IntegrityError(f"{node!r}: unreadable attributes ({exc})") from None
+        attrs = read_hdf5_attrs(ds, repr(node))
+        check_hdf5_present(ds, node, filters)
         ftype = ds.id.get_type()
         self._types[node] = ftype
         return StoredTensor(
@@ -225,7 +242,7 @@ class HDF5Reader(StoreReader):
         buf = out.view(np.uint8).reshape(-1).view(f"V{ftype.get_size()}").reshape(count)
         try:
             ds.id.read(h5s.create_simple(count), fspace, buf, mtype=ftype)
-        except OSError as exc:
+        except (OSError, RuntimeError, ValueError) as exc:
             raise IntegrityError(f"tensor {node!r}: HDF5 read failed ({exc})") from None
         return out
 

@@ -21,6 +21,14 @@ from zarr.codecs import BloscCodec, Crc32cCodec, GzipCodec, ZstdCodec
 from ..chunking import Region, grow_chunks, plan_chunks
 from ..errors import CheckpointError, IntegrityError, UnsafeFileError
 from ..formats import ScalarFormat
+from ..hardening import (
+    check_zarr_array,
+    check_zarr_key,
+    check_zarr_keys_exist,
+    check_zarr_present,
+    scan_local_zarr,
+    touched_keys,
+)
 from ..layout import Entry
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
 
@@ -137,6 +145,8 @@ class ZarrReader(StoreReader):
 
     def __init__(self, source: Any) -> None:
         self._root = Path(source) if isinstance(source, (str, os.PathLike)) else None
+        # one walk of a local store, before zarr reads anything: no symlinks, bounded metadata
+        self._tree = scan_local_zarr(self._root) if self._root is not None else None
         try:
             self._group = zarr.open_group(store=source, mode="r", zarr_format=3)
             self.root_attrs = dict(self._group.attrs)
@@ -154,6 +164,7 @@ class ZarrReader(StoreReader):
     def _array(self, node: str) -> zarr.Array:
         array = self._arrays.get(node)
         if array is None:
+            check_zarr_key(node)
             if self._root is not None:
                 path = self._root / node
                 if path.is_symlink() or not path.resolve().is_relative_to(self._root.resolve()):
@@ -164,6 +175,9 @@ class ZarrReader(StoreReader):
                 raise IntegrityError(f"array {node!r} is missing or unreadable ({exc})") from None
             if not isinstance(array, zarr.Array):
                 raise IntegrityError(f"{node!r} is not an array")
+            check_zarr_array(node, array)
+            if self._tree is not None:
+                check_zarr_present(node, array, self._tree)
             self._arrays[node] = array
         return array
 
@@ -193,6 +207,8 @@ class ZarrReader(StoreReader):
         out_shape = selection.count + ((2,) if words == 2 else ())
         if math.prod(out_shape) == 0:
             return np.empty(out_shape, dtype=fmt.storage_dtype)
+        if self._tree is None:  # other stores: the chunks this read touches must exist
+            check_zarr_keys_exist(node, array, touched_keys(node, array, selection))
         try:
             data = np.asarray(array[key])
         except Exception as exc:
