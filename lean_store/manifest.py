@@ -165,7 +165,9 @@ def _check_tensor(reader: StoreReader, entry: Entry, info: StoredTensor) -> list
             )
     crc = attrs.get("crc32c")
     valid_crc = isinstance(crc, int) and not isinstance(crc, bool) and 0 <= crc < 2**32
-    if crc is not None and not valid_crc:
+    if crc is None:  # every lean_store writer records it; without it data would go unverified
+        problems.append(f"tensor {name!r}: the crc32c digest attribute is missing")
+    elif not valid_crc:
         problems.append(f"tensor {name!r}: malformed crc32c attribute {crc!r}")
     return problems
 
