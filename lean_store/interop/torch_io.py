@@ -1,0 +1,171 @@
+"""torch ``.pt`` / ``.pth`` / ``.bin`` state-dict files, read ONLY with ``weights_only=True``.
+
+Reading never runs arbitrary pickle code: ``torch.load(weights_only=True)`` accepts tensors,
+plain containers and primitive values only. The file must hold a flat mapping of names to
+tensors (a ``state_dict``). Writing uses ``torch.save`` on an ``OrderedDict`` in layout order.
+
+For a byte-identical round trip, the state dict's ``_metadata`` (module versions) and the zip
+archive's record prefix (torch derives it from the file name it saved to) are kept in the
+lean_store root attributes ``torch_metadata`` and ``torch_archive``, and reproduced on export.
+Tensors that shared one storage in the original file (tied weights, views) are written as
+separate storages, so such files convert exactly in values but not byte for byte.
+
+torch is imported inside the functions, so ``lean_store.interop`` imports without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, FormatError, IntegrityError
+from ..layout import Layout
+from ..sources.base import TensorSource
+
+_ARCHIVE = re.compile(r"[A-Za-z0-9_\-]{1,200}")
+
+
+def load_state_dict(path: str | os.PathLike) -> Any:
+    """``torch.load(path, weights_only=True, map_location="cpu")``: a flat name -> tensor map."""
+    import torch
+
+    try:
+        try:
+            obj = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+        except RuntimeError as exc:  # legacy (non-zip) files cannot be memory-mapped
+            if "mmap" not in str(exc) and "zip" not in str(exc):
+                raise
+            obj = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - torch raises many types; all mean "not loadable"
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise IntegrityError(
+            f"{path}: torch.load(weights_only=True) refused it ({type(exc).__name__}: {first}). "
+            "lean_store never loads arbitrary pickles."
+        ) from None
+    if not isinstance(obj, dict):
+        raise FormatError(f"{path}: holds a {type(obj).__name__}, not a state dict of tensors")
+    bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not torch.is_tensor(v)]
+    if bad:
+        raise FormatError(
+            f"{path}: not a flat state dict of tensors; entries that are not named tensors: "
+            f"{bad[:10]}{' ...' if len(bad) > 10 else ''}"
+        )
+    return obj
+
+
+def archive_name(path: str | os.PathLike) -> str | None:
+    """The record prefix of a torch zip file (``archive`` when saved to a file object)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return None
+    prefix = names[0].split("/", 1)[0] if names else ""
+    return prefix if _ARCHIVE.fullmatch(prefix) else None
+
+
+class TorchFileSource(TensorSource):
+    """The tensors of a torch state-dict file, in the file's order."""
+
+    kind = "state"
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from ..sources.torch_source import TorchSource
+
+        self.path = Path(path)
+        state = load_state_dict(path)
+        try:
+            self._inner = TorchSource(state)
+        except CheckpointError as exc:
+            raise FormatError(f"{path}: {exc}") from None
+        self.layout = self._inner.layout
+        self.extra: dict[str, Any] = {}
+        meta = getattr(state, "_metadata", None)
+        if meta is not None:
+            try:
+                self.extra["torch_metadata"] = json.dumps(meta)
+            except (TypeError, ValueError):
+                pass  # not JSON-able: dropped (values are unaffected)
+        archive = archive_name(path)
+        if archive is not None:
+            self.extra["torch_archive"] = archive
+
+    def tensors(self) -> Any:
+        return self._inner.tensors()
+
+    def close(self) -> None:
+        pass
+
+
+def unrepresentable(layout: Layout) -> list[str]:
+    """One line per tensor whose format has no torch dtype."""
+    from ..sources.torch_source import dtype_of_format
+
+    return [
+        f"{e.name!r}: {e.format.tag} ({e.format.width} bits) has no torch dtype"
+        for e in layout
+        if dtype_of_format(e.format) is None
+    ]
+
+
+def write_torch(
+    layout: Layout,
+    read_words: Any,
+    path: str | os.PathLike,
+    *,
+    metadata: dict | None = None,
+    archive: str | None = None,
+) -> None:
+    """``torch.save`` an OrderedDict of exact tensors, atomically.
+
+    ``read_words(entry)`` returns the whole tensor's raw words. ``metadata`` becomes the state
+    dict's ``_metadata``; ``archive`` the zip record prefix (default ``archive``).
+    """
+    import torch
+
+    from ..sources.torch_source import new_tensor
+
+    problems = unrepresentable(layout)
+    if problems:
+        raise FormatError(
+            "torch cannot hold these tensors exactly (lean_store never casts):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
+    state: OrderedDict[str, Any] = OrderedDict()
+    for entry in layout:
+        words = np.ascontiguousarray(read_words(entry))
+        state[entry.name] = new_tensor(words, entry.format, entry.shape, None)
+    if metadata is not None:
+        state._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
+    target = Path(path)
+    if not target.parent.is_dir():
+        raise CheckpointError(f"cannot write {target}: directory {target.parent} does not exist")
+    if archive is not None and not _ARCHIVE.fullmatch(archive):
+        archive = None
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".{target.name}.lean_store-tmp-", dir=target.parent))
+    try:
+        if archive is None or archive == "archive":
+            tmp = tmpdir / "out"
+            with tmp.open("wb") as f:  # a file object: torch names the records "archive/"
+                torch.save(state, f)
+        else:
+            tmp = tmpdir / archive  # torch names the records after the file name's stem
+            torch.save(state, str(tmp))
+        with tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+__all__ = ["TorchFileSource", "archive_name", "load_state_dict", "unrepresentable", "write_torch"]
