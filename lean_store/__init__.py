@@ -11,13 +11,16 @@
 from . import formats
 from ._version import __version__ as __version__
 from .checkpoint import Checkpoint, LoadResult, TensorHandle, load, load_state, open, save
+from .checkpointer import Checkpointer
 from .encoded import Encoded
 from .errors import CheckpointError, FormatError, IntegrityError, LayoutError, UnsafeFileError
 from .formats import ScalarFormat
 from .layout import Difference, Entry, Layout
+from .training import TrainingInfo, load_optimizer, load_training, save_optimizer, save_training
 
 __all__ = [
     "Checkpoint",
+    "Checkpointer",
     "CheckpointError",
     "Difference",
     "Encoded",
@@ -29,10 +32,15 @@ __all__ = [
     "LoadResult",
     "ScalarFormat",
     "TensorHandle",
+    "TrainingInfo",
     "UnsafeFileError",
     "formats",
     "load",
+    "load_optimizer",
     "load_state",
+    "load_training",
     "open",
     "save",
+    "save_optimizer",
+    "save_training",
 ]

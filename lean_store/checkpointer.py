@@ -1,0 +1,162 @@
+"""``Checkpointer``: the checkpoints of one training run, one per step, keeping the last N.
+
+Each step is one training checkpoint named ``step_<n>.h5`` or ``step_<n>.zarr`` in the run's
+directory. It is written by the stores' atomic commit: the data goes to a hidden temporary
+sibling (``.step_<n>.h5.lean_store-tmp-*``) that is fsynced and renamed into place only when
+complete, so a step is either listed and whole, or not listed at all. A writer killed mid-save
+leaves only a hidden temporary, which :meth:`Checkpointer.save` clears away next time.
+
+One directory belongs to one writer at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import BACKENDS
+from .errors import CheckpointError
+from .stores.base import remove_path
+from .training import SCHEDULED, TrainingInfo, load_training, save_training
+
+_SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
+_STEP = re.compile(r"^step_(\d{1,19})\.(h5|zarr)$")
+_LEFTOVER = re.compile(r"^\.step_\d{1,19}\.(h5|zarr)\.lean_store-(tmp|old|dead)-[0-9a-f]+$")
+
+
+class Checkpointer:
+    """Manage step checkpoints in ``directory``.
+
+    >>> ck = Checkpointer("run/", keep_last=3)
+    >>> ck.save(100, model=model, optimizer=opt, scheduler=sched, data=loader_state)
+    >>> info = ck.restore(model=model, optimizer=opt, scheduler=sched, data=loader_state)
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = None,
+                 backend: str = "hdf5", create: bool = True) -> None:
+        if backend not in BACKENDS:
+            raise CheckpointError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+        if keep_last is not None and (
+            not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
+        ):
+            raise CheckpointError(f"keep_last must be a positive int or None, got {keep_last!r}")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.backend = backend
+        if create:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        elif not self.directory.is_dir():
+            raise CheckpointError(f"no checkpoint directory at {self.directory}")
+
+    # ------------------------------------------------------------------------- listing
+
+    def _entries(self) -> dict[int, Path]:
+        found: dict[int, Path] = {}
+        try:
+            names = sorted(os.listdir(self.directory))
+        except FileNotFoundError:
+            return found
+        for name in names:
+            match = _STEP.match(name)
+            if match:
+                step = int(match.group(1))
+                if step not in found or match.group(2) == _SUFFIX[self.backend][1:]:
+                    found[step] = self.directory / name
+        return found
+
+    def steps(self) -> list[int]:
+        """Every committed step, ascending. Temporaries of unfinished saves are never listed."""
+        return sorted(self._entries())
+
+    def latest(self) -> int | None:
+        """The highest committed step, or None when there is none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def path(self, step: int) -> Path:
+        """Where ``step`` is (or would be) stored."""
+        _check_step(step)
+        existing = self._entries().get(step)
+        return existing or self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
+
+    # -------------------------------------------------------------------------- saving
+
+    def save(self, step: int, *, model: Any, optimizer: Any = None, scheduler: Any = None,
+             rng: bool = True, data: Any = None, extra: Any = None,
+             generators: Mapping[str, Any] | None = None, overwrite: bool = False,
+             compression: Any = None, progress: Any = False) -> Path:
+        """Write ``step`` atomically, then drop the oldest steps beyond ``keep_last``."""
+        _check_step(step)
+        self.clean_incomplete()
+        existing = self._entries().get(step)
+        if existing is not None and not overwrite:
+            raise CheckpointError(f"step {step} already exists at {existing}; pass overwrite=True")
+        path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
+        save_training(path, model=model, optimizer=optimizer, scheduler=scheduler, step=step,
+                      rng=rng, data=data, extra=extra, generators=generators,
+                      backend=self.backend, compression=compression, progress=progress)
+        if existing is not None and existing != path:
+            self._remove(existing)
+        self._prune()
+        return path
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+        entries = self._entries()
+        for step in sorted(entries)[: max(0, len(entries) - self.keep_last)]:
+            self._remove(entries[step])
+
+    def _remove(self, path: Path) -> None:
+        # rename aside first: a crash mid-delete never leaves a half-deleted visible step
+        dead = path.with_name(f".{path.name}.lean_store-dead-{uuid.uuid4().hex}")
+        os.rename(path, dead)
+        remove_path(dead)
+
+    def clean_incomplete(self) -> list[Path]:
+        """Remove temporaries left by interrupted saves and deletions; return what went."""
+        removed = []
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return removed
+        for name in names:
+            if _LEFTOVER.match(name):
+                remove_path(self.directory / name)
+                removed.append(self.directory / name)
+        return removed
+
+    # ------------------------------------------------------------------------- restoring
+
+    def restore(self, step: int | None = None, *, model: Any, optimizer: Any = None,
+                scheduler: Any = None, data: Any = None, rng: bool = True,
+                generators: Mapping[str, Any] | None = None,
+                scheduled: Any = SCHEDULED) -> TrainingInfo:
+        """Restore ``step`` (default: the latest) in place; see :func:`load_training`."""
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise CheckpointError(f"no committed checkpoint in {self.directory}")
+        _check_step(step)
+        path = self._entries().get(step)
+        if path is None:
+            raise CheckpointError(f"no committed checkpoint for step {step} in {self.directory}; "
+                                  f"steps: {self.steps()}")
+        return load_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
+                             data=data, rng=rng, generators=generators, scheduled=scheduled)
+
+    def __repr__(self) -> str:
+        return (f"Checkpointer({str(self.directory)!r}, keep_last={self.keep_last}, "
+                f"backend={self.backend!r}, steps={self.steps()})")
+
+
+def _check_step(step: Any) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**19:
+        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+
+
+__all__ = ["Checkpointer"]

@@ -1,0 +1,416 @@
+"""Training state: model, optimizer, LR scheduler, step, RNG, data position and extras.
+
+One checkpoint (HDF5 or Zarr) holds tensors under ``model/``, ``optimizer/state/<param>/<key>``,
+``rng/`` and wherever a state tree puts them, plus two root attributes:
+``training_format_version`` and ``training`` (JSON metadata). See docs/TRAINING.md.
+
+Loading validates everything (optimizer class, hyperparameters, parameter names, shapes,
+formats, every stored tensor and its digest, scheduler and data-position state, RNG states on
+scratch generators) before it installs anything; on error nothing is changed.
+
+torch is imported lazily, so ``import lean_store`` works without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable, Collection, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from .checkpoint import Checkpoint, as_values, write_source
+from .errors import CheckpointError, IntegrityError
+from .layout import Difference, Layout, layout_error
+from .statetree import decode, encode, tensor_names
+
+TRAINING_FORMAT_VERSION = 1
+VERSION_ATTR = "training_format_version"
+META_ATTR = "training"
+LEGACY_V0_ATTR = "optimizer"
+MAX_META_TEXT = 64 << 20
+SCHEDULED = ("lr", "initial_lr")
+
+
+@dataclass
+class TrainingInfo:
+    """What a training checkpoint said beyond the tensors it restored."""
+
+    step: int | None
+    extra: Any
+    data: Any
+    format_version: int
+    rng_restored: bool
+    kind: str
+    path: str
+
+
+# ----------------------------------------------------------------------------------- saving
+
+
+def save_optimizer(
+    optimizer: Any,
+    path: str | os.PathLike,
+    *,
+    rng: bool = True,
+    model: Any = None,
+    generators: Mapping[str, Any] | None = None,
+    backend: str | None = None,
+    compression: Any = None,
+    progress: Any = False,
+) -> Layout:
+    """Save an optimizer's state (moments, steps, hyperparameters, parameter names) and, with
+    ``rng=True``, the global RNG states. Parameter names come from ``model`` when given, else
+    from the optimizer's ``param_names``, else positions. An optimizer with no state yet
+    raises :class:`CheckpointError`."""
+    return _save(path, "optimizer", model=None, names_model=model, optimizer=optimizer,
+                 rng=rng, generators=generators, backend=backend, compression=compression,
+                 progress=progress)
+
+
+def save_training(
+    path: str | os.PathLike,
+    *,
+    model: Any,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    step: int | None = None,
+    rng: bool = True,
+    data: Any = None,
+    extra: Any = None,
+    generators: Mapping[str, Any] | None = None,
+    backend: str | None = None,
+    compression: Any = None,
+    progress: Any = False,
+) -> Layout:
+    """Save one complete training checkpoint, committed atomically.
+
+    ``data`` is the data position: a ``torch.Generator``, a ``numpy.random.Generator``, any
+    object with ``state_dict()``/``load_state_dict()``, or a mapping (e.g. epoch and index).
+    ``extra`` is any JSON-like tree. ``generators`` names further RNG objects to capture.
+    """
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise CheckpointError(f"step must be a non-negative int or None, got {step!r}")
+    return _save(path, "training", model=model, names_model=model, optimizer=optimizer,
+                 scheduler=scheduler, step=step, rng=rng, data=data, extra=extra,
+                 generators=generators, backend=backend, compression=compression,
+                 progress=progress)
+
+
+def _save(path: Any, kind: str, *, model: Any, names_model: Any, optimizer: Any,
+          scheduler: Any = None, step: int | None = None, rng: bool = True, data: Any = None,
+          extra: Any = None, generators: Mapping[str, Any] | None = None,
+          backend: str | None, compression: Any, progress: Any) -> Layout:
+    from .sources import tensor_source
+    from .sources.optimizer import class_name, describe, param_names
+    from .sources.rng import capture
+    from .sources.torch_source import state_dict_of
+
+    tensors: dict[str, Any] = {}
+    meta: dict[str, Any] = {"step": step}
+    if model is not None:
+        state = state_dict_of(model)
+        for name, value in state.items():
+            tensors[f"model/{name}"] = value
+        meta["model"] = {"class": class_name(model), "tensors": len(state)}
+    if optimizer is not None:
+        names = param_names(optimizer, names_model)
+        meta["optimizer"] = describe(optimizer, names, "optimizer/", tensors)
+    if scheduler is not None:
+        meta["scheduler"] = {
+            "class": class_name(scheduler),
+            "state": encode(scheduler.state_dict(), "scheduler", tensors),
+        }
+    if data is not None:
+        meta["data"] = _data_meta(data, tensors)
+    if extra is not None:
+        meta["extra"] = encode(extra, "extra", tensors)
+    if rng or generators:
+        meta["rng"] = capture(tensors, generators, global_state=bool(rng))
+    text = json.dumps(meta, separators=(",", ":"), allow_nan=False)
+    return write_source(
+        tensor_source(tensors), path, kind=kind, backend=backend, compression=compression,
+        progress=progress,
+        extra_root={VERSION_ATTR: TRAINING_FORMAT_VERSION, META_ATTR: text},
+    )
+
+
+def _data_kind(data: Any) -> str:
+    from .sources.rng import generator_state
+
+    try:
+        generator_state(data)
+        return "generator"
+    except CheckpointError:
+        pass
+    if callable(getattr(data, "state_dict", None)) and callable(
+        getattr(data, "load_state_dict", None)
+    ):
+        return "stateful"
+    if isinstance(data, Mapping):
+        return "mapping"
+    raise CheckpointError(
+        f"cannot store a data position of type {type(data).__name__}: pass a generator, an "
+        "object with state_dict()/load_state_dict(), or a mapping"
+    )
+
+
+def _data_meta(data: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+    from .sources.rng import _generator_kind, generator_state
+
+    kind = _data_kind(data)
+    if kind == "generator":
+        return {"type": f"generator:{_generator_kind(data)}",
+                "state": encode(generator_state(data), "data", tensors)}
+    state = data.state_dict() if kind == "stateful" else dict(data)
+    return {"type": kind, "class": type(data).__qualname__, "state": encode(state, "data", tensors)}
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def load_optimizer(
+    optimizer: Any,
+    path: Any,
+    *,
+    model: Any = None,
+    rng: bool = True,
+    generators: Mapping[str, Any] | None = None,
+    scheduled: Collection[str] = SCHEDULED,
+) -> TrainingInfo:
+    """Restore an optimizer (and, with ``rng=True``, the RNG states) from a file written by
+    :func:`save_optimizer` or :func:`save_training`. Everything is validated first; on any
+    mismatch a :class:`CheckpointError` is raised and nothing is changed. Group keys named in
+    ``scheduled`` (the learning rate) are restored rather than compared."""
+    return _load(path, model=None, names_model=model, optimizer=optimizer, rng=rng,
+                 generators=generators, scheduled=scheduled, stacklevel=3)
+
+
+def load_training(
+    path: Any,
+    *,
+    model: Any,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    data: Any = None,
+    rng: bool = True,
+    generators: Mapping[str, Any] | None = None,
+    scheduled: Collection[str] = SCHEDULED,
+) -> TrainingInfo:
+    """Restore a training checkpoint in place: model, optimizer, scheduler, data position and
+    RNG states, all validated before any is changed. Returns a :class:`TrainingInfo`."""
+    return _load(path, model=model, names_model=model, optimizer=optimizer,
+                 scheduler=scheduler, data=data, rng=rng, generators=generators,
+                 scheduled=scheduled, stacklevel=3)
+
+
+def read_metadata(ck: Checkpoint) -> tuple[int, dict[str, Any], str]:
+    """(training format version, metadata in the current version's shape, optimizer prefix).
+
+    Migration rule: version 0 files (no ``training_format_version``) kept the optimizer
+    metadata in the root attribute ``optimizer``, its tensors under ``state/`` and no RNG,
+    step, scheduler or data; they are read as version 1 with those fields absent.
+    """
+    attrs = ck.root_attrs
+    if ck.kind not in ("optimizer", "training"):
+        raise CheckpointError(
+            f"{ck.path} is a {ck.kind!r} checkpoint, not an optimizer or training checkpoint"
+        )
+    version = attrs.get(VERSION_ATTR)
+    if version is None and LEGACY_V0_ATTR in attrs:
+        return 0, {"optimizer": _json(attrs[LEGACY_V0_ATTR], ck.path)}, ""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise IntegrityError(f"{ck.path}: malformed {VERSION_ATTR} {version!r}")
+    if version > TRAINING_FORMAT_VERSION:
+        raise IntegrityError(
+            f"{ck.path}: training format version {version} is newer than this lean_store "
+            f"(reads up to {TRAINING_FORMAT_VERSION}); upgrade lean_store"
+        )
+    meta = _json(attrs.get(META_ATTR), ck.path)
+    if not isinstance(meta, dict):
+        raise IntegrityError(f"{ck.path}: the training metadata is not a JSON object")
+    return version, meta, "optimizer/"
+
+
+def _json(value: Any, where: Any) -> Any:
+    if isinstance(value, (dict, list)):  # a store may hand back parsed JSON
+        return value
+    if not isinstance(value, str) or len(value) > MAX_META_TEXT:
+        raise IntegrityError(f"{where}: training metadata missing or absurdly long")
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise IntegrityError(f"{where}: training metadata is not valid JSON ({exc})") from None
+
+
+class _Reader:
+    """Verified reads of one checkpoint's tensors into new torch tensors or numpy arrays."""
+
+    def __init__(self, ck: Checkpoint) -> None:
+        self.ck = ck
+
+    def _entry(self, name: str) -> Any:
+        if name not in self.ck.layout:
+            raise IntegrityError(f"{self.ck.path}: the metadata names tensor {name!r}, "
+                                 "which the checkpoint does not hold")
+        return self.ck.layout[name]
+
+    def tensor(self, name: str, device: Any = "cpu") -> Any:
+        from .sources.torch_source import dtype_of_format, new_tensor
+
+        entry = self._entry(name)
+        if dtype_of_format(entry.format) is None:
+            raise IntegrityError(f"tensor {name!r} is {entry.format.tag}, which torch cannot hold")
+        return new_tensor(self.ck._read_verified(entry), entry.format, entry.shape, device)
+
+    def lookup(self, kind: str, name: str) -> Any:
+        if kind == "tensor":
+            return self.tensor(name)
+        entry = self._entry(name)
+        values = as_values(self.ck._read_verified(entry), entry.format)
+        if kind == "scalar":
+            if entry.shape != () or not hasattr(values, "dtype"):
+                raise IntegrityError(f"tensor {name!r} is not a numpy scalar")
+            return values[()]
+        return values
+
+
+def _load(path: Any, *, model: Any, names_model: Any, optimizer: Any, rng: bool,
+          generators: Mapping[str, Any] | None, scheduled: Collection[str], stacklevel: int,
+          scheduler: Any = None, data: Any = None) -> TrainingInfo:
+    from .sources.optimizer import param_names, prepare
+
+    installs: list[Callable[[], None]] = []
+    with Checkpoint(path) as ck:
+        version, meta, prefix = read_metadata(ck)
+        reader = _Reader(ck)
+        accounted = {name for _, name in tensor_names(meta)}
+        accounted |= {n for n in ck.layout.names() if n.startswith(("model/", f"{prefix}state/"))}
+        extra = [n for n in ck.layout.names() if n not in accounted]
+        if extra:
+            raise IntegrityError(f"{ck.path}: tensors {extra[:8]} are not described by the "
+                                 "training metadata")
+        if model is not None:
+            installs.append(_prepare_model(ck, model))
+        if optimizer is not None:
+            if not meta.get("optimizer"):
+                raise CheckpointError(f"{ck.path} holds no optimizer state")
+            names = param_names(optimizer, names_model)
+            prepared = prepare(optimizer, names, meta["optimizer"], prefix, ck.layout,
+                               reader.tensor, reader.lookup, scheduled=scheduled)
+            installs.append(prepared.install)
+        if scheduler is not None:
+            installs.append(_prepare_scheduler(meta.get("scheduler"), scheduler, reader, ck.path))
+        data_state = None
+        if meta.get("data") is not None:
+            data_state, install = _prepare_data(meta["data"], data, reader, ck.path)
+            installs.append(install)
+        elif data is not None:
+            raise CheckpointError(f"{ck.path} holds no data position")
+        lost: list[str] = []
+        if meta.get("rng") is not None and (rng or generators):
+            install, lost = _prepare_rng(meta["rng"], reader, generators, rng)
+            installs.append(install)
+        elif generators:
+            raise CheckpointError(f"{ck.path} holds no generator states")
+        elif rng:
+            lost = ["RNG state" if version else f"RNG state (format version {version})"]
+        extra_value = decode(meta.get("extra"), reader.lookup, "extra")
+        step = meta.get("step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            raise IntegrityError(f"{ck.path}: malformed step {step!r}")
+        for install in installs:  # every check has passed: now change things
+            install()
+    if lost:
+        warnings.warn(
+            f"{path}: restored without {', '.join(lost)}: the optimizer moments and model are "
+            "restored, but a stochastic continuation cannot be reproduced",
+            stacklevel=stacklevel,
+        )
+    return TrainingInfo(step=step, extra=extra_value, data=data_state, format_version=version,
+                        rng_restored=rng and not lost, kind=ck.kind, path=str(path))
+
+
+def _prepare_rng(meta: Any, reader: _Reader, generators: Any, rng: bool) -> Any:
+    from .sources.rng import prepare
+
+    return prepare(meta, reader.lookup, generators, global_state=rng)
+
+
+def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
+    from .sources import tensor_targets
+
+    targets = tensor_targets(model)
+    expected = Layout.from_specs(
+        [(f"model/{n}", t.entry.shape, t.entry.format) for n, t in targets.items()]
+    )
+    stored = [e for e in ck.layout if e.name.startswith("model/")]
+    actual = Layout.from_specs([(e.name, e.shape, e.format) for e in stored])
+    actual.check(expected)
+    for entry in stored:  # verify every digest before anything is written
+        for _ in ck.iter_bits(entry):
+            pass
+
+    def install() -> None:
+        for name, target in targets.items():
+            for region, words in ck.iter_bits(ck.layout[f"model/{name}"]):
+                target.write(region, words)
+
+    return install
+
+
+def _prepare_scheduler(meta: Any, scheduler: Any, reader: _Reader,
+                       where: Any) -> Callable[[], None]:
+    from .sources.optimizer import class_name
+
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where} holds no scheduler state")
+    if meta.get("class") != class_name(scheduler):
+        raise layout_error([Difference("scheduler class", None, class_name(scheduler),
+                                       meta.get("class"))], "scheduler")
+    state = decode(meta.get("state"), reader.lookup, "scheduler")
+    live = scheduler.state_dict()
+    if not isinstance(state, dict) or set(state) != set(live):
+        got = sorted(state) if isinstance(state, dict) else state
+        raise layout_error([Difference("scheduler keys", None, sorted(live), got)], "scheduler")
+    return lambda: scheduler.load_state_dict(state)
+
+
+def _prepare_data(meta: Any, data: Any, reader: _Reader, where: Any) -> tuple[Any, Any]:
+    if not isinstance(meta, dict) or not isinstance(meta.get("type"), str):
+        raise IntegrityError(f"{where}: malformed data position metadata")
+    state = decode(meta.get("state"), reader.lookup, "data position")
+    if data is None:
+        return state, lambda: None
+    kind = _data_kind(data)
+    saved = meta["type"]
+    if kind == "generator":
+        from .sources.rng import _generator_kind, check_generator_state
+
+        if saved != f"generator:{_generator_kind(data)}":
+            raise CheckpointError(f"the data position was saved from a {saved}, not a "
+                                  f"{_generator_kind(data)} generator")
+        return state, check_generator_state(data, state, "data position")
+    if saved != kind:
+        raise CheckpointError(f"the data position was saved as {saved!r}, not {kind!r}")
+    if kind == "stateful":
+        live = data.state_dict()
+        if isinstance(live, Mapping) and isinstance(state, Mapping) and set(live) != set(state):
+            raise layout_error([Difference("data position keys", None, sorted(live),
+                                           sorted(state))], "data position")
+        return state, lambda: data.load_state_dict(state)
+    if not isinstance(data, MutableMapping):
+        raise CheckpointError("pass a mutable mapping to restore a mapping data position")
+
+    def install() -> None:
+        data.clear()
+        data.update(state)
+
+    return state, install
+
+
+__all__ = [
+    "TRAINING_FORMAT_VERSION", "TrainingInfo", "load_optimizer", "load_training",
+    "read_metadata", "save_optimizer", "save_training",
+]
