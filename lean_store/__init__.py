@@ -17,6 +17,7 @@ from .errors import CheckpointError, FormatError, IntegrityError, LayoutError, U
 from .formats import ScalarFormat
 from .layout import Difference, Entry, Layout
 from .training import TrainingInfo, load_optimizer, load_training, save_optimizer, save_training
+from .verify import Problem, VerifyReport, verify
 
 __all__ = [
     "Checkpoint",
@@ -43,4 +44,7 @@ __all__ = [
     "save",
     "save_optimizer",
     "save_training",
+    "verify",
+    "Problem",
+    "VerifyReport",
 ]
