@@ -1,0 +1,305 @@
+"""Convert between lean_store (.h5, .zarr), safetensors, torch state dicts and TorchLean files.
+
+Bits are exact in every direction: tensors move as raw words and are never cast. A tensor whose
+format the target cannot hold (a 12-bit float into safetensors, bfloat16 into a TorchLean
+float32 file, ...) is refused with a :class:`FormatError` naming every such tensor, before any
+output exists. Outputs are written to a temporary sibling and renamed into place.
+
+Formats (``--from`` / ``--to`` names, and the suffixes that imply them):
+
+=================  ==========================  ===============================================
+name               suffixes                    notes
+=================  ==========================  ===============================================
+hdf5               .h5 .hdf5 .hdf              lean_store; every format
+zarr               .zarr                       lean_store; every format
+safetensors        .safetensors                standard dtypes up to 8 bytes, complex64
+torch              .pt .pth .bin               read with ``torch.load(weights_only=True)``
+torchlean-sf32     .tlsf32 .sf32               TLSF32B: float32 tensors only
+torchlean-json     .json                       JSON state: one TorchLean format tag per file
+torchlean-adam     .tladam                     TLADAMF optimizer state (versions 2-4)
+=================  ==========================  ===============================================
+
+Inputs are recognised by content first (HDF5 signature, Zarr group, ``TLSF32B``/``TLADAMF``
+magic, zip or JSON), then by suffix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..chunking import Region
+from ..errors import CheckpointError, FormatError, IntegrityError
+from ..layout import Entry, Layout
+from ..sources.base import SourceTensor, TensorSource
+
+FORMATS = (
+    "hdf5", "zarr", "safetensors", "torch", "torchlean-sf32", "torchlean-json", "torchlean-adam",
+)
+SUFFIXES = {
+    ".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", ".zarr": "zarr",
+    ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch",
+    ".tlsf32": "torchlean-sf32", ".sf32": "torchlean-sf32", ".json": "torchlean-json",
+    ".tladam": "torchlean-adam",
+}
+# Root attributes that carry what another format needs for a byte-identical way back.
+CARRIED_ATTRS = ("safetensors_metadata", "torch_metadata", "torch_archive", "torchlean_adam")
+
+
+def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading: bool) -> str:
+    """The file format: ``given``, else from the content (when reading), else the suffix."""
+    if given is not None:
+        if given not in FORMATS:
+            raise CheckpointError(f"unknown file format {given!r}; known: {', '.join(FORMATS)}")
+        return given
+    p = Path(path)
+    if reading:
+        if not p.exists():
+            raise CheckpointError(f"no file at {p}: the path does not exist")
+        if p.is_dir():
+            return "zarr"
+        from ..checkpoint import HDF5_SIGNATURE
+        from .torchlean_bridge import sniff
+
+        with p.open("rb") as f:
+            head = f.read(8)
+        if head == HDF5_SIGNATURE:
+            return "hdf5"
+        found = sniff(p)
+        if found is not None and (found != "torchlean-json" or p.suffix.lower() == ".json"):
+            return found
+        if head.startswith(b"PK\x03\x04") and p.suffix.lower() != ".safetensors":
+            return "torch"
+    fmt = SUFFIXES.get(p.suffix.lower())
+    if fmt is None:
+        raise CheckpointError(
+            f"cannot tell the file format of {str(p)!r} from its suffix; use one of "
+            f"{', '.join(sorted(SUFFIXES))} or name the format ({', '.join(FORMATS)})"
+        )
+    return fmt
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+class _VerifiedTensor(SourceTensor):
+    """Reads regions of a stored tensor; checks the digest when the reads were sequential."""
+
+    def __init__(self, ck: Any, entry: Entry) -> None:
+        self._ck, self._entry = ck, entry
+        self._stored = ck._stored[entry.name]
+        self._shape = entry.shape or (1,)
+        self._total = math.prod(self._shape)
+        self._pos = 0
+        self._crc = 0
+        self._checked = False
+
+    def read(self, region: Region) -> np.ndarray:
+        from ..checkpoint import crc32c_update
+        from ..stores.base import Selection
+
+        words = self._ck._reader.read(self._stored.node, Selection.of_region(region),
+                                      self._entry.format)
+        start = int(np.ravel_multi_index(tuple(s.start for s in region), self._shape))
+        size = math.prod(s.stop - s.start for s in region)
+        if not self._checked:
+            if start == self._pos:
+                self._crc = crc32c_update(self._crc, words)
+                self._pos += size
+                if self._pos == self._total:
+                    self._check(self._crc)
+            else:  # not one sequential pass: verify the whole tensor once, separately
+                for _ in self._ck.iter_bits(self._entry):
+                    pass
+                self._checked = True
+        return words
+
+    def _check(self, crc: int) -> None:
+        self._checked = True
+        expected = self._stored.attrs.get("crc32c")
+        if expected is not None and crc != expected:
+            raise IntegrityError(
+                f"tensor {self._entry.name!r}: crc32c {crc:#010x} does not match the recorded "
+                f"{expected:#010x}; the checkpoint is corrupt"
+            )
+
+
+class _CheckpointSource(TensorSource):
+    def __init__(self, ck: Any) -> None:
+        self._ck = ck
+        self.layout = ck.layout
+
+    def tensors(self) -> Iterator[tuple[Entry, SourceTensor]]:
+        for entry in self.layout:
+            yield entry, _VerifiedTensor(self._ck, entry)
+
+
+class Input:
+    """An opened input file: its layout, kind, carried attributes and a streaming source."""
+
+    def __init__(
+        self, fmt: str, source: TensorSource, *, kind: str = "state",
+        extra: dict[str, Any] | None = None, closer: Callable[[], None] | None = None,
+        read_words: Callable[[Entry], np.ndarray] | None = None,
+    ) -> None:
+        self.format = fmt
+        self.source = source
+        self.layout: Layout = source.layout
+        self.kind = kind
+        self.extra = dict(extra or {})
+        self._closer = closer
+        self._read_words = read_words
+        self._tensors: dict[str, SourceTensor] | None = None
+
+    def read_words(self, entry: Entry) -> np.ndarray:
+        """The whole tensor's raw words, shaped ``entry.shape`` (+ ``(2,)`` for complex)."""
+        pair = (2,) if entry.format.words_per_value == 2 else ()
+        if self._read_words is not None:
+            return self._read_words(entry).reshape(entry.shape + pair)
+        if self._tensors is None:
+            self._tensors = {e.name: t for e, t in self.source.tensors()}
+        region = tuple(slice(0, d) for d in (entry.shape or (1,)))
+        words = self._tensors[entry.name].read(region)
+        return np.ascontiguousarray(words).reshape(entry.shape + pair)
+
+    def close(self) -> None:
+        if self._closer is not None:
+            self._closer()
+            self._closer = None
+
+    def __enter__(self) -> Input:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_input(path: str | os.PathLike, fmt: str | None = None) -> Input:
+    """Open any supported file for conversion (lean_store inputs are fully validated)."""
+    fmt = format_of_path(path, fmt, reading=True)
+    if fmt in ("hdf5", "zarr"):
+        from ..checkpoint import Checkpoint
+
+        ck = Checkpoint(path, backend=fmt)
+        extra = {k: ck.root_attrs[k] for k in CARRIED_ATTRS if k in ck.root_attrs}
+        return Input(fmt, _CheckpointSource(ck), kind=ck.kind, extra=extra, closer=ck.close,
+                     read_words=ck._read_verified)
+    if fmt == "safetensors":
+        from .safetensors_io import SafetensorsSource
+
+        st = SafetensorsSource(path)
+        return Input(fmt, st, extra=st.extra, closer=st.close, read_words=st.words)
+    if fmt == "torch":
+        from .torch_io import TorchFileSource
+
+        tf = TorchFileSource(path)
+        return Input(fmt, tf, extra=tf.extra)
+    from ..sources import tensor_source
+    from . import torchlean_bridge as tl
+
+    if fmt == "torchlean-sf32":
+        return Input(fmt, tensor_source(tl.state_from_sf32(path)))
+    if fmt == "torchlean-json":
+        with open(path, "rb") as f:
+            return Input(fmt, tensor_source(tl.state_from_json(f.read())))
+    state, attrs = tl.adam_state(tl.read_adam(path))
+    return Input(fmt, tensor_source(state), kind="optimizer", extra=attrs)
+
+
+# ------------------------------------------------------------------------------ outputs
+
+
+def refusals(inp: Input, fmt: str) -> list[str]:
+    """Why ``inp`` cannot be written exactly as ``fmt`` (one line each), or []."""
+    from . import torchlean_bridge as tl
+
+    layout = inp.layout
+    if fmt == "safetensors":
+        from .safetensors_io import unrepresentable
+
+        return unrepresentable(layout)
+    if fmt == "torch":
+        from .torch_io import unrepresentable as torch_unrepresentable
+
+        return torch_unrepresentable(layout)
+    if fmt == "torchlean-sf32":
+        return tl.sf32_unrepresentable(layout)
+    if fmt == "torchlean-json":
+        return tl.json_unrepresentable(layout)
+    if fmt == "torchlean-adam" and tl.ADAM_ATTR not in inp.extra:
+        return ["only a TorchLean Adam state (imported from a TLADAMF file) can be written as one"]
+    return []
+
+
+def write_output(
+    inp: Input, path: str | os.PathLike, fmt: str | None = None, *, compression: Any = None,
+    chunk_bytes: int | None = None, progress: Any = False,
+) -> str:
+    """Write ``inp`` to ``path`` as ``fmt`` (default: from the suffix). Returns the format."""
+    fmt = format_of_path(path, fmt, reading=False)
+    problems = refusals(inp, fmt)
+    if problems:
+        raise FormatError(
+            f"{fmt} cannot hold this {inp.format} input exactly (lean_store never casts):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
+    if fmt in ("hdf5", "zarr"):
+        from ..checkpoint import write_source
+
+        write_source(inp.source, path, kind=inp.kind, backend=fmt, chunk_bytes=chunk_bytes,
+                     compression=compression, progress=progress, extra_root=inp.extra)
+        return fmt
+    if compression is not None:
+        raise CheckpointError(f"compression applies to hdf5 and zarr outputs, not {fmt}")
+    from . import torchlean_bridge as tl
+
+    if fmt == "safetensors":
+        from ..progress import make_progress
+        from .safetensors_io import write_safetensors
+
+        text = inp.extra.get("safetensors_metadata")
+        metadata = json.loads(text) if isinstance(text, str) else None
+        with make_progress(progress, f"write {Path(path).name}", inp.layout.nbytes) as bar:
+            write_safetensors(inp.source, path, metadata=metadata, progress=bar)
+    elif fmt == "torch":
+        from .torch_io import write_torch
+
+        text = inp.extra.get("torch_metadata")
+        write_torch(inp.layout, inp.read_words, path,
+                    metadata=json.loads(text) if isinstance(text, str) else None,
+                    archive=inp.extra.get("torch_archive"))
+    elif fmt == "torchlean-sf32":
+        tl.write_sf32_from(inp.layout, inp.read_words, path)
+    elif fmt == "torchlean-json":
+        from .torchlean import write_state_json
+
+        write_state_json(path, tl.state_json_of(inp.layout, inp.read_words))
+    else:
+        tl.write_adam_from(inp.layout, inp.read_words, inp.extra, path)
+    return fmt
+
+
+def convert(
+    src: str | os.PathLike, dst: str | os.PathLike, *, src_format: str | None = None,
+    dst_format: str | None = None, compression: Any = None, chunk_bytes: int | None = None,
+    progress: Any = False,
+) -> Layout:
+    """Convert ``src`` to ``dst`` exactly; returns the layout converted."""
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise CheckpointError("the source and destination are the same path")
+    with open_input(src, src_format) as inp:
+        write_output(inp, dst, dst_format, compression=compression, chunk_bytes=chunk_bytes,
+                     progress=progress)
+        return inp.layout
+
+
+__all__ = [
+    "CARRIED_ATTRS", "FORMATS", "Input", "SUFFIXES", "convert", "format_of_path", "open_input",
+    "refusals", "write_output",
+]
