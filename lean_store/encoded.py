@@ -54,9 +54,9 @@ class Encoded:
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
 
-    def decode(self) -> np.ndarray:
-        """Exact values as float64 (complex128 for complex formats)."""
-        return self._format.decode(self._bits)
+    def decode(self, *, exact: bool = True) -> np.ndarray:
+        """Exact values as float64 (complex128 for complex formats); see ``ScalarFormat.decode``."""
+        return self._format.decode(self._bits, exact=exact)
 
     def __getitem__(self, key: Any) -> Encoded:
         if self._format.words_per_value == 2:

@@ -62,14 +62,29 @@ def check_bits(fmt: ScalarFormat, bits: Any) -> np.ndarray:
     return bits
 
 
-def decode(fmt: ScalarFormat, bits: Any) -> np.ndarray:
-    """Values of ``bits``: float64 for floats, complex128 for complex, the integers themselves."""
+def _require_float64(fmt: ScalarFormat, what: str) -> None:
+    if isinstance(fmt, BinaryFormat) and not fmt.embeds_in_float64:
+        hint = "; decode(..., exact=False) gives the nearest float64" if "decode" in what else ""
+        raise FormatError(
+            f"{fmt.tag} has values that are not binary64 values, so it cannot {what} exactly "
+            f"through float64; keep its raw bits (lean_store.Encoded){hint}"
+        )
+
+
+def decode(fmt: ScalarFormat, bits: Any, *, exact: bool = True) -> np.ndarray:
+    """Values of ``bits``: float64 for floats, complex128 for complex, the integers themselves.
+
+    For a format whose values do not all embed in binary64, ``exact=True`` raises FormatError;
+    ``exact=False`` gives the nearest float64 (for statistics and plots).
+    """
     bits = check_bits(fmt, bits)
     if isinstance(fmt, ComplexFormat):
         out = np.empty(bits.shape[:-1], dtype=np.complex128)
-        out.real = decode(fmt.component, bits[..., 0])
-        out.imag = decode(fmt.component, bits[..., 1])
+        out.real = decode(fmt.component, bits[..., 0], exact=exact)
+        out.imag = decode(fmt.component, bits[..., 1], exact=exact)
         return out
+    if exact:
+        _require_float64(fmt, "be decoded")
     dtype = fmt.numpy_dtype
     if isinstance(fmt, (IntegerFormat, BoolFormat)):
         return bits.view(dtype).copy()
@@ -98,6 +113,7 @@ def encode(fmt: ScalarFormat, values: Any) -> np.ndarray:
     (as ml_dtypes does), ``finite`` saturates to the largest finite value. NaN cannot be encoded
     in a ``finite`` format and raises FormatError. Integers must be integral and in range.
     """
+    _require_float64(getattr(fmt, "component", fmt), "be encoded")
     if isinstance(fmt, ComplexFormat):
         values = np.asarray(values, dtype=np.complex128)
         real = encode(fmt.component, values.real)

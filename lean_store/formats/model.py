@@ -73,11 +73,11 @@ class ScalarFormat:
         """JSON-able description; :func:`lean_store.formats.from_config` inverts it."""
         raise NotImplementedError
 
-    def decode(self, bits: np.ndarray) -> np.ndarray:
+    def decode(self, bits: np.ndarray, *, exact: bool = True) -> np.ndarray:
         """Exact values of raw bit patterns (float64, complex128, or integers for int formats)."""
         from .codecs import decode
 
-        return decode(self, bits)
+        return decode(self, bits, exact=exact)
 
     def encode(self, values: Any) -> np.ndarray:
         """Bit patterns of ``values``, rounded to nearest-even under this format's rules."""
