@@ -10,6 +10,7 @@
 
 from . import formats
 from ._version import __version__ as __version__
+from .async_save import SaveHandle, save_async
 from .checkpoint import Checkpoint, LoadResult, TensorHandle, load, load_state, open, save
 from .checkpointer import Checkpointer
 from .encoded import Encoded
@@ -31,6 +32,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LoadResult",
+    "SaveHandle",
     "ScalarFormat",
     "TensorHandle",
     "TrainingInfo",
@@ -42,6 +44,7 @@ __all__ = [
     "load_training",
     "open",
     "save",
+    "save_async",
     "save_optimizer",
     "save_training",
     "verify",

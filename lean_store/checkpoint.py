@@ -24,6 +24,7 @@ from .naming import check_names
 from .progress import make_progress
 from .sources import TargetTensor, TensorSource, tensor_source, tensor_targets
 from .stores.base import Selection, StoredTensor, StoreReader, StoreWriter
+from .stream import staged
 
 BACKENDS = ("hdf5", "zarr")
 _SUFFIXES = {".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", ".zarr": "zarr"}
@@ -112,23 +113,37 @@ def write_source(
     compression: Any = None,
     progress: Any = False,
     extra_root: dict[str, Any] | None = None,
+    buffer_bytes: int | None = None,
 ) -> Layout:
-    """Stream every tensor of ``source`` into a new checkpoint, committed atomically."""
+    """Stream every tensor of ``source`` into a new checkpoint, committed atomically.
+
+    One write unit at a time: host tensors as zero-copy views, device tensors through the
+    pooled host buffers of :func:`lean_store.stream.staged` (at most ``buffer_bytes``, default
+    64 MiB, or one write unit if that is larger), copied ahead while the store writes.
+    """
     layout = source.layout
     check_names(layout.names())
     backend = backend_for(path, backend)
     writer = open_writer(path, backend, chunk_bytes=chunk_bytes, compression=compression)
     storage = "hdf5" if backend == "hdf5" else "zarr"
-    with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar:
+
+    def units() -> Iterator[tuple[Any, Any, Any]]:
         for entry, tensor in source.tensors():
             sink = writer.add_tensor(entry, tensor_attrs(entry, _storage_name(entry, storage)))
-            crc = 0
             for region in iter_regions(stored_rank_shape(entry), sink.write_unit):
-                bits = tensor.read(region)
-                crc = crc32c_update(crc, bits)
-                sink.write(region, bits)
-                bar.advance(bits.nbytes)
-            sink.close({"crc32c": crc})
+                yield sink, tensor, region
+            yield sink, None, None  # end of this tensor
+
+    with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar:
+        crc = 0
+        for sink, region, bits in staged(units(), buffer_bytes=buffer_bytes):
+            if bits is None:
+                sink.close({"crc32c": crc})
+                crc = 0
+                continue
+            crc = crc32c_update(crc, bits)
+            sink.write(region, bits)
+            bar.advance(bits.nbytes)
         writer.commit(root_attrs(layout, kind, extra_root))
     return layout
 
@@ -150,21 +165,35 @@ def save(
     backend: str | None = None,
     chunk_bytes: int | None = None,
     compression: Any = None,
-    progress: Any = False,
-) -> Layout:
+    progress: Any = None,
+    blocking: bool = True,
+    buffer_bytes: int | None = None,
+    snapshot: str = "auto",
+) -> Any:
     """Save a torch module, a state dict, or a mapping of arrays/``Encoded`` to HDF5 or Zarr.
 
     The checkpoint is written to a hidden temporary sibling and renamed into place only when
     complete, so ``path`` holds either the previous checkpoint or the new one, never a mix.
-    Returns the :class:`Layout` written.
+    Returns the :class:`Layout` written. The state streams one write unit at a time; device
+    tensors go through at most ``buffer_bytes`` (default 64 MiB) of reusable host buffers.
+    ``progress``: True for a bar on a terminal, a stream to draw it there, None (default) for
+    a bar only on a terminal and for big jobs. ``blocking=False`` snapshots the state (see
+    :mod:`lean_store.async_save` for ``snapshot``) and returns a ``SaveHandle`` at once.
     """
+    if not blocking:
+        from .async_save import save_async
+
+        return save_async(
+            obj, path, backend=backend, chunk_bytes=chunk_bytes, compression=compression,
+            progress=progress, buffer_bytes=buffer_bytes, snapshot=snapshot,
+        )
     source = tensor_source(obj)
     if len(source.layout) == 0:
         raise CheckpointError("nothing to save: the state has no tensors")
     kind = "module" if callable(getattr(obj, "state_dict", None)) else "state"
     return write_source(
         source, path, kind=kind, backend=backend, chunk_bytes=chunk_bytes,
-        compression=compression, progress=progress,
+        compression=compression, progress=progress, buffer_bytes=buffer_bytes,
     )
 
 
@@ -413,7 +442,7 @@ def load(
     strict: bool = True,
     cast: Mapping[str, Any] | None = None,
     verify: bool = True,
-    progress: Any = False,
+    progress: Any = None,
 ) -> LoadResult:
     """Load a checkpoint in place into a torch module, a state dict, or a dict of arrays.
 

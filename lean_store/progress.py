@@ -53,13 +53,27 @@ class RichProgress(NullProgress):
         self._progress.stop()
 
 
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 def make_progress(progress: Any, description: str, total: int) -> NullProgress:
-    """``progress``: True/False, None for automatic (a terminal and a big job), or a stream."""
+    """A bar with bytes, bytes/s and ETA, or a silent stand-in.
+
+    ``progress``: False for none; True for a bar on stderr when it is a terminal (nothing
+    otherwise, so logs stay clean); None (automatic) for a bar when stderr is a terminal and the
+    job has at least ``AUTO_THRESHOLD_BYTES``; or a writable stream to draw the bar on, always.
+    """
     if progress is None:
-        if not (sys.stderr.isatty() and total >= AUTO_THRESHOLD_BYTES):
+        if not (_is_terminal(sys.stderr) and total >= AUTO_THRESHOLD_BYTES):
             return NullProgress()
         progress = True
     if progress is False:
+        return NullProgress()
+    if progress is True and not _is_terminal(sys.stderr):
         return NullProgress()
     stream = sys.stderr if progress is True else progress
     try:

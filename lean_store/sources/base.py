@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +18,7 @@ class SourceTensor(ABC):
     memory that is already contiguous the result is a zero-copy view."""
 
     device: str = "cpu"
+    stage_engine: Any = None  # a lean_store.stream.CopyEngine for device memory, None on host
 
     @abstractmethod
     def read(self, region: Region) -> np.ndarray: ...

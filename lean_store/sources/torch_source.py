@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -13,6 +13,7 @@ from ..encoded import Encoded
 from ..errors import CheckpointError, FormatError
 from ..formats import ScalarFormat, complex_of, get
 from ..layout import Entry, Layout
+from ..stream import CopyEngine
 from .base import SourceTensor, TargetTensor, TensorSource
 from .numpy_source import ArraySourceTensor, ArrayTarget, _format_of
 
@@ -65,12 +66,69 @@ def _to_numpy_bits(t: torch.Tensor, fmt: ScalarFormat) -> np.ndarray:
     return t.numpy().view(fmt.storage_dtype)
 
 
+class TorchCopyEngine(CopyEngine):
+    """Device -> host copies into reusable host buffers (see :mod:`lean_store.stream`).
+
+    On CUDA the buffers are pinned and each copy is non-blocking on a side stream (one per
+    device, ordered after the work already queued on the caller's stream) with an event, so the
+    next units copy while the current one is written. On other devices (or ``cuda=False``, as
+    the CPU tests use) copies are plain and synchronous, still into the reused buffers.
+    """
+
+    def __init__(self, *, cuda: bool | None = None, pin: bool | None = None) -> None:
+        self._cuda = torch.cuda.is_available() if cuda is None else cuda
+        self._pin = self._cuda if pin is None else pin
+        self._streams: dict[Any, Any] = {}
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+
+    def nbytes(self, tensor: TorchSourceTensor, region: Region) -> int:
+        part = tensor._bits[region]
+        return part.numel() * part.element_size()
+
+    def _side_stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
+    def start(
+        self, tensor: TorchSourceTensor, region: Region, buffer: torch.Tensor
+    ) -> Callable[[], np.ndarray]:
+        part = tensor._bits[region]
+        dst = buffer[: part.numel() * part.element_size()].view(part.dtype).view(part.shape)
+        fmt = tensor._fmt
+        if self._cuda and part.device.type == "cuda":
+            stream = self._side_stream(part.device)
+            with torch.cuda.stream(stream):
+                dst.copy_(part, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+
+            def wait() -> np.ndarray:
+                event.synchronize()
+                return _to_numpy_bits(dst, fmt)
+
+            return wait
+        dst.copy_(part)
+        words = _to_numpy_bits(dst, fmt)
+        return lambda: words
+
+
 class TorchSourceTensor(SourceTensor):
-    def __init__(self, tensor: torch.Tensor, fmt: ScalarFormat) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, fmt: ScalarFormat, engine: TorchCopyEngine | None = None
+    ) -> None:
         tensor = tensor.detach()
         self._fmt = fmt
         self._bits = bit_view(tensor.reshape(1) if tensor.dim() == 0 else tensor)
         self.device = str(tensor.device)
+        # device tensors are staged through the pooled host buffers of lean_store.stream
+        if engine is None and tensor.device.type != "cpu":
+            engine = TorchCopyEngine()
+        self.stage_engine = engine
 
     def read(self, region: Region) -> np.ndarray:
         part = self._bits[region]
@@ -108,10 +166,14 @@ class TorchSource(TensorSource):
         )
 
     def tensors(self) -> Iterator[tuple[Entry, SourceTensor]]:
+        engine = None  # one engine (side streams) shared by the device tensors of this walk
         for entry in self.layout:
             value = self._values[entry.name]
             if isinstance(value, torch.Tensor):
-                yield entry, TorchSourceTensor(value, entry.format)
+                if value.device.type != "cpu" and engine is None:
+                    engine = TorchCopyEngine()
+                on_host = value.device.type == "cpu"
+                yield entry, TorchSourceTensor(value, entry.format, None if on_host else engine)
             else:
                 yield entry, ArraySourceTensor(value, entry.format)
 
@@ -126,7 +188,15 @@ class TorchTarget(TargetTensor):
         src = torch.from_numpy(np.ascontiguousarray(bits).view(_np_int(bits.dtype.itemsize)))
         dst = self._bits[region]
         with torch.no_grad():
-            dst.copy_(src.reshape(dst.shape), non_blocking=False)
+            if dst.device.type == "cuda":
+                # through a pinned buffer, non-blocking on the current stream: the upload of this
+                # unit overlaps reading the next one; torch's caching host allocator keeps the
+                # buffer until the copy has run, and reuses it after
+                pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                pinned.copy_(src)
+                dst.copy_(pinned.reshape(dst.shape), non_blocking=True)
+            else:
+                dst.copy_(src.reshape(dst.shape), non_blocking=False)
 
 
 def _np_int(itemsize: int) -> np.dtype:
@@ -162,3 +232,47 @@ def new_tensor(bits: np.ndarray, fmt: ScalarFormat, shape: tuple[int, ...], devi
         out = words.view(dtype).reshape(shape)
     # ``bits`` is a fresh array owned by the caller, so the CPU tensor can share its memory.
     return out.to(device) if device is not None and str(device) != "cpu" else out
+
+
+def _fits_on_devices(state: Mapping[str, Any]) -> bool:
+    """True when every CUDA device has room (10 % to spare) for a copy of its tensors."""
+    need: dict[Any, int] = {}
+    for value in state.values():
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            need[value.device] = need.get(value.device, 0) + value.numel() * value.element_size()
+    for device, nbytes in need.items():
+        free, _total = torch.cuda.mem_get_info(device)
+        if nbytes > 0.9 * free:
+            return False
+    return True
+
+
+def snapshot_state(obj: Any, mode: str) -> dict[str, Any]:
+    """A frozen copy of a torch state: ``"device"`` clones each tensor where it lives, ``"host"``
+    copies device tensors into host memory, ``"auto"`` picks ``"device"`` when it fits."""
+    state = state_dict_of(obj)
+    if mode == "auto":
+        mode = "device" if _fits_on_devices(state) else "host"
+    out: dict[str, Any] = {}
+    devices = set()
+    with torch.no_grad():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                t = value.detach()
+                if t.device.type == "cuda":
+                    devices.add(t.device)
+                if mode == "host" and t.device.type != "cpu":
+                    copy = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    copy.copy_(t)
+                else:
+                    copy = t.clone()
+                out[name] = copy
+            elif isinstance(value, np.ndarray):
+                out[name] = value.copy()
+            elif isinstance(value, Encoded):
+                out[name] = Encoded(value.bits.copy(), value.format)
+            else:
+                out[name] = value
+    for device in devices:  # the copies are complete before the caller may mutate the originals
+        torch.cuda.current_stream(device).synchronize()
+    return out

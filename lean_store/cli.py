@@ -1,0 +1,400 @@
+"""The ``lean-store`` command: inspect, verify, diff, convert, export and import checkpoints.
+
+Exit status: 0 success (for ``verify`` and ``diff``: no problem, identical); 1 a problem was
+found in the data (corrupt or incomplete checkpoint, checksum mismatch, differences); 2 a usage
+or other error (bad arguments, missing file, a format the target cannot hold). Errors are one
+clear line on stderr, never a traceback (set ``LEAN_STORE_DEBUG=1`` to see one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointError, IntegrityError, LayoutError
+
+EXIT_OK, EXIT_PROBLEM, EXIT_ERROR = 0, 1, 2
+
+EPILOG = """\
+examples:
+  lean-store inspect run.h5                   table of tensors
+  lean-store inspect run.zarr --stats --json  exact min/max/mean/NaN/inf, machine-readable
+  lean-store verify run.h5                    every checksum and the layout; exit 1 if bad
+  lean-store diff a.h5 b.zarr                 layout, bit identity, max abs/rel/ULP; exit 1 if
+                                              they differ
+  lean-store convert model.safetensors run.h5 exact bits; refused if the target cannot hold them
+  lean-store convert run.h5 model.pt          torch state dict (read back with weights_only)
+  lean-store convert state.tlsf32 run.zarr    TorchLean streamed float32 file
+  lean-store export run.h5 --json > s.json    TorchLean Checkpoint.State JSON (raw words)
+  lean-store import s.json run.h5             the inverse of export
+"""
+
+
+class UsageError(Exception):
+    """A problem with the command line rather than with any data."""
+
+
+# ---------------------------------------------------------------------------------- output
+
+
+def _console(stream: Any = None) -> Any:
+    from rich.console import Console
+
+    stream = stream or sys.stdout
+    width = None if stream.isatty() else 200
+    return Console(file=stream, width=width, highlight=False, soft_wrap=False)
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    return "-"  # pragma: no cover
+
+
+def _num(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, complex):
+        return f"{value.real:.6g}{value.imag:+.6g}j"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------- inspect
+
+
+def _disk_bytes(ck: Any, handle: Any) -> int | None:
+    if handle.stored.nbytes_on_disk is not None:
+        return int(handle.stored.nbytes_on_disk)
+    if ck.backend == "zarr":
+        folder = Path(ck.path) / handle.stored.node
+        total = 0
+        for root, _dirs, files in os.walk(folder):
+            total += sum((Path(root) / f).stat().st_size for f in files)
+        return total
+    return None
+
+
+_CODEC_NAMES = {"ZstdCodec": "zstd", "GzipCodec": "gzip", "BloscCodec": "blosc"}
+_CHECKSUMS = ("fletcher32", "BytesCodec", "Crc32cCodec", "TransposeCodec", "ShardingCodec")
+
+
+def _compression(ck: Any, handle: Any) -> str:
+    filters = list(handle.stored.filters)
+    if ck.backend == "zarr" and "ShardingCodec" in filters:
+        try:  # the compressors of a sharded array sit inside the sharding codec
+            codecs = ck._reader._array(handle.stored.node).metadata.codecs[0].codecs
+            filters = ["sharded"] + [type(c).__name__ for c in codecs]
+        except (AttributeError, IndexError, CheckpointError):
+            filters = ["sharded"]
+    names = [_CODEC_NAMES.get(f, f) for f in filters if f not in _CHECKSUMS]
+    return ",".join(names) if names else "none"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from . import checkpoint
+
+    with checkpoint.open(args.checkpoint) as ck:
+        rows = []
+        for entry in ck.layout:
+            handle = ck[entry.name]
+            rows.append({
+                "index": entry.index,
+                "name": entry.name,
+                "shape": list(entry.shape),
+                "format": entry.format.tag,
+                "width": entry.format.width,
+                "chunks": list(handle.chunks[: max(1, len(entry.shape))]),
+                "bytes": entry.nbytes,
+                "bytes_on_disk": _disk_bytes(ck, handle),
+                "compression": _compression(ck, handle),
+            })
+        stats: dict[str, Any] = {}
+        if args.stats:
+            from .progress import make_progress
+            from .stats import tensor_stats
+
+            with make_progress(None, "stats", ck.layout.nbytes) as bar:
+                for entry in ck.layout:
+                    stats[entry.name] = tensor_stats(ck, entry.name, progress=bar)
+        header = {"path": str(args.checkpoint), "backend": ck.backend, "kind": ck.kind,
+                  "format_version": ck.format_version, "tensor_count": len(ck)}
+    if args.json:
+        for row in rows:
+            if row["name"] in stats:
+                row["stats"] = stats[row["name"]].to_json()
+        _print_json({**header, "tensors": rows})
+        return EXIT_OK
+    from rich.table import Table
+
+    title = (f"{header['path']}  ({header['backend']}, {header['kind']}, "
+             f"{header['tensor_count']} tensors)")
+    table = Table(title=title)
+    columns = ["#", "name", "shape", "format", "width", "chunks", "bytes on disk", "compression"]
+    if args.stats:
+        columns += ["min", "max", "mean", "NaN", "inf"]
+    for col in columns:
+        table.add_column(col, justify="right" if col in ("#", "width", "bytes on disk") else "left")
+    for row in rows:
+        cells = [str(row["index"]), row["name"], str(tuple(row["shape"])), row["format"],
+                 str(row["width"]), str(tuple(row["chunks"])), _size(row["bytes_on_disk"]),
+                 row["compression"]]
+        if args.stats:
+            s = stats[row["name"]]
+            cells += [_num(s.min), _num(s.max), _num(s.mean), str(s.nan),
+                      str(s.posinf + s.neginf)]
+        table.add_row(*cells)
+    _console().print(table)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------- verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    if not os.path.lexists(args.checkpoint):
+        raise UsageError(f"no checkpoint at {args.checkpoint}: the path does not exist")
+    try:
+        from .verify import verify
+    except ImportError:  # pragma: no cover - the per-chunk verifier ships with lean_store
+        verify = None
+    if verify is not None:
+        report = verify(args.checkpoint)
+        problems = [
+            {"tensor": p.tensor, "chunk": list(p.chunk) if p.chunk is not None else None,
+             "message": p.message}
+            for p in report.problems
+        ]
+        summary = f"{report.tensors} tensors, {report.chunks} chunks, {_size(report.nbytes)}"
+    else:  # pragma: no cover
+        from . import checkpoint
+
+        problems = []
+        with checkpoint.open(args.checkpoint) as ck:
+            ck.verify()
+            summary = f"{len(ck)} tensors"
+    ok = not problems
+    if args.json:
+        _print_json({"path": str(args.checkpoint), "ok": ok, "problems": problems})
+    elif ok:
+        print(f"OK {args.checkpoint}: layout and every checksum verified ({summary})")
+    else:
+        for p in problems:
+            where = "checkpoint" if p["tensor"] is None else f"tensor {p['tensor']!r}"
+            if p["chunk"] is not None:
+                where += f" chunk {tuple(p['chunk'])}"
+            print(f"BAD {args.checkpoint}: {where}: {p['message']}")
+    return EXIT_OK if ok else EXIT_PROBLEM
+
+
+# ---------------------------------------------------------------------------------- diff
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from . import checkpoint
+    from .diff import diff
+
+    with checkpoint.open(args.a) as a, checkpoint.open(args.b) as b:
+        report = diff(a, b)
+    if args.json:
+        _print_json({"a": str(args.a), "b": str(args.b), **report.to_json()})
+        return EXIT_OK if report.identical else EXIT_PROBLEM
+    out = _console()
+    for d in report.layout:
+        out.print(f"layout: {d}")
+    from rich.table import Table
+
+    table = Table(title=f"{args.a}  vs  {args.b}")
+    for col in ("name", "bit-identical", "differing", "max abs", "max rel", "max ULP", "NaN≠"):
+        table.add_column(col)
+    for t in report.tensors:
+        same = "yes" if t.identical else ("no" if t.comparable else "shape differs")
+        table.add_row(t.name, same, str(t.differing), _num(t.max_abs), _num(t.max_rel),
+                      _num(t.max_ulp), str(t.nan_mismatch))
+    out.print(table)
+    out.print("identical" if report.identical else "DIFFERENT")
+    return EXIT_OK if report.identical else EXIT_PROBLEM
+
+
+# ---------------------------------------------------------------------------------- convert
+
+
+def _check_target(path: str, force: bool) -> None:
+    if os.path.lexists(path) and not force:
+        raise UsageError(f"{path} exists; pass --force to replace it")
+
+
+def _compression_arg(value: str | None) -> Any:
+    if value in (None, "none"):
+        return None
+    if value.startswith("gzip:"):
+        return ("gzip", int(value.split(":", 1)[1]))
+    return value
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .interop.convert import convert
+
+    _check_target(args.dst, args.force)
+    layout = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
+                     compression=_compression_arg(args.compression),
+                     chunk_bytes=args.chunk_bytes, progress=None if args.progress else False)
+    print(f"converted {len(layout)} tensors ({_size(layout.nbytes)}): {args.src} -> {args.dst}",
+          file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .interop.convert import open_input
+    from .interop.torchlean import encode_state_json
+    from .interop.torchlean_bridge import state_json_of
+
+    if not args.json:
+        raise UsageError("choose an export form: --json (use 'convert' for other file formats)")
+    with open_input(args.checkpoint) as inp:
+        text = encode_state_json(state_json_of(inp.layout, inp.read_words))
+    if args.output in (None, "-"):
+        sys.stdout.buffer.write(text + b"\n")
+        sys.stdout.flush()
+    else:
+        _check_target(args.output, args.force)
+        from .interop.torchlean import _atomic_write
+
+        _atomic_write(args.output, [text])
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .interop.convert import open_input, write_output
+
+    _check_target(args.dst, args.force)
+    if args.src == "-":
+        import tempfile
+
+        data = sys.stdin.buffer.read()
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "stdin.json"
+            src.write_bytes(data)
+            with open_input(src, "torchlean-json") as inp:
+                write_output(inp, args.dst, args.dst_format)
+    else:
+        with open_input(args.src, args.src_format) as inp:
+            write_output(inp, args.dst, args.dst_format)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .interop.convert import FORMATS
+
+    parser = argparse.ArgumentParser(
+        prog="lean-store",
+        description="Inspect, verify, compare and convert lean_store checkpoints (HDF5/Zarr).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from ._version import __version__
+
+    parser.add_argument("--version", action="version", version=f"lean_store {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def add(name: str, help: str, example: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=f"example:\n  {example}",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = add("inspect", "Show the tensors of a checkpoint.", "lean-store inspect run.h5 --stats")
+    p.add_argument("checkpoint")
+    p.add_argument("--stats", action="store_true",
+                   help="add exact min/max/mean and NaN/inf counts (reads every tensor, streamed)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+    p = add("verify", "Check the layout and every checksum; exit 1 naming any bad tensor.",
+            "lean-store verify run.zarr")
+    p.add_argument("checkpoint")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_verify)
+
+    p = add("diff", "Compare two checkpoints; exit 0 only when they are identical.",
+            "lean-store diff before.h5 after.h5")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_diff)
+
+    p = add("convert", "Convert between lean_store, safetensors, torch and TorchLean files.",
+            "lean-store convert model.safetensors model.h5")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--from", dest="src_format", choices=FORMATS, help="input format")
+    p.add_argument("--to", dest="dst_format", choices=FORMATS, help="output format")
+    p.add_argument("--compression", help="hdf5: gzip, gzip:LEVEL, lzf; zarr: zstd, gzip, blosc")
+    p.add_argument("--chunk-bytes", type=int, help="chunk size for hdf5/zarr outputs")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (default: a bar on a terminal for big inputs)")
+    p.set_defaults(func=cmd_convert)
+
+    p = add("export", "Write a checkpoint as TorchLean's exact JSON state text.",
+            "lean-store export run.h5 --json -o state.json")
+    p.add_argument("checkpoint")
+    p.add_argument("--json", action="store_true", help="TorchLean Checkpoint.State JSON")
+    p.add_argument("-o", "--output", help="output file (default: stdout)")
+    p.add_argument("--force", action="store_true", help="replace the output file if it exists")
+    p.set_defaults(func=cmd_export)
+
+    p = add("import", "Make a lean_store checkpoint from TorchLean JSON state (or any input).",
+            "lean-store import state.json run.h5")
+    p.add_argument("src", help="input file, or - for JSON state on stdin")
+    p.add_argument("dst", help="output checkpoint (.h5 or .zarr)")
+    p.add_argument("--from", dest="src_format", choices=FORMATS, help="input format")
+    p.add_argument("--to", dest="dst_format", choices=FORMATS, help="output format")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.set_defaults(func=cmd_import)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"lean-store {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except (IntegrityError, LayoutError) as exc:
+        print(f"lean-store {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_PROBLEM
+    except CheckpointError as exc:
+        print(f"lean-store {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"lean-store {args.command}: error: {exc}", file=sys.stderr)
+        if os.environ.get("LEAN_STORE_DEBUG"):
+            traceback.print_exc()
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"lean-store {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["build_parser", "main"]
