@@ -197,17 +197,18 @@ class _FakeDeviceSource(TensorSource):
             yield entry, FakeDeviceTensor(self.arrays[entry.name], self.engine, i)
 
 
-@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
-def test_write_source_from_fake_device_is_bounded(tmp_path, suffix) -> None:
+@pytest.mark.parametrize("suffix,budget", [(".h5", 256 << 10), (".zarr", 1 << 20)])
+def test_write_source_from_fake_device_is_bounded(tmp_path, suffix, budget) -> None:
     rng = np.random.default_rng(1)
     arrays = {f"w{i}": rng.standard_normal((256, 1024), dtype=np.float32) for i in range(6)}
     arrays["b"] = rng.standard_normal((3,)).astype(np.float16)
     engine = FakeEngine()
     path = tmp_path / f"ck{suffix}"
+    # 64 KiB chunks: HDF5 writes chunks, zarr writes 512 KiB shards (8 chunks)
     write_source(_FakeDeviceSource(arrays, engine), path, kind="state", chunk_bytes=64 << 10,
-                 buffer_bytes=256 << 10)
-    assert engine.peak_live_bytes <= 256 << 10 and engine.live == 0
-    assert len(engine.log) > 24  # many units went through a handful of buffers
+                 buffer_bytes=budget)
+    assert engine.peak_live_bytes <= budget and engine.live == 0
+    assert len(engine.log) > 12  # many units went through a handful of buffers
     back = ls.load_state(path)
     for name, a in arrays.items():
         np.testing.assert_array_equal(back[name], a)
