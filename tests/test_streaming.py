@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import lean_store as ls
-from lean_store.chunking import iter_regions, plan_chunks
 from lean_store.checkpoint import write_source
+from lean_store.chunking import iter_regions, plan_chunks
 from lean_store.errors import CheckpointError
 from lean_store.formats import of_numpy_dtype
 from lean_store.layout import Entry, Layout
@@ -155,7 +155,7 @@ def test_staged_mixes_host_and_device_and_frees_on_error() -> None:
     gen = staged(iter(items), buffer_bytes=1 << 20)
     seen = 0
     with pytest.raises(RuntimeError):
-        for _key, _region, bits in gen:
+        for _key, _region, _bits in gen:
             seen += 1
             if seen == 3:
                 raise RuntimeError("store failed")
