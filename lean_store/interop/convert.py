@@ -49,7 +49,9 @@ SUFFIXES = {
     ".tladam": "torchlean-adam",
 }
 # Root attributes that carry what another format needs for a byte-identical way back.
-CARRIED_ATTRS = ("safetensors_metadata", "torch_metadata", "torch_archive", "torchlean_adam")
+CARRIED_ATTRS = (
+    "safetensors_metadata", "torch_metadata", "torch_archive", "torch_container", "torchlean_adam",
+)
 
 
 def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading: bool) -> str:
@@ -273,7 +275,8 @@ def write_output(
         text = inp.extra.get("torch_metadata")
         write_torch(inp.layout, inp.read_words, path,
                     metadata=json.loads(text) if isinstance(text, str) else None,
-                    archive=inp.extra.get("torch_archive"))
+                    archive=inp.extra.get("torch_archive"),
+                    container=inp.extra.get("torch_container"))
     elif fmt == "torchlean-sf32":
         tl.write_sf32_from(inp.layout, inp.read_words, path)
     elif fmt == "torchlean-json":

@@ -5,8 +5,9 @@ plain containers and primitive values only. The file must hold a flat mapping of
 tensors (a ``state_dict``). Writing uses ``torch.save`` on an ``OrderedDict`` in layout order.
 
 For a byte-identical round trip, the state dict's ``_metadata`` (module versions) and the zip
-archive's record prefix (torch derives it from the file name it saved to) are kept in the
-lean_store root attributes ``torch_metadata`` and ``torch_archive``, and reproduced on export.
+archive's record prefix (torch derives it from the file name it saved to) and the container
+type (dict or OrderedDict) are kept in the lean_store root attributes ``torch_metadata``,
+``torch_archive`` and ``torch_container``, and reproduced on export.
 Tensors that shared one storage in the original file (tied weights, views) are written as
 separate storages, so such files convert exactly in values but not byte for byte.
 
@@ -99,6 +100,7 @@ class TorchFileSource(TensorSource):
         archive = archive_name(path)
         if archive is not None:
             self.extra["torch_archive"] = archive
+        self.extra["torch_container"] = "OrderedDict" if isinstance(state, OrderedDict) else "dict"
 
     def tensors(self) -> Any:
         return self._inner.tensors()
@@ -125,11 +127,13 @@ def write_torch(
     *,
     metadata: dict | None = None,
     archive: str | None = None,
+    container: str | None = None,
 ) -> None:
     """``torch.save`` an OrderedDict of exact tensors, atomically.
 
     ``read_words(entry)`` returns the whole tensor's raw words. ``metadata`` becomes the state
-    dict's ``_metadata``; ``archive`` the zip record prefix (default ``archive``).
+    dict's ``_metadata``; ``archive`` the zip record prefix (default ``archive``);
+    ``container`` ``"dict"`` saves a plain dict instead of an OrderedDict.
     """
     import torch
 
@@ -144,9 +148,15 @@ def write_torch(
     state: OrderedDict[str, Any] = OrderedDict()
     for entry in layout:
         words = np.ascontiguousarray(read_words(entry))
-        state[entry.name] = new_tensor(words, entry.format, entry.shape, None)
+        if not words.flags.writeable:  # e.g. a memory-mapped input; torch wants writable memory
+            words = words.copy()
+        tensor = new_tensor(words, entry.format, entry.shape, None)
+        if tensor.numel() == 0:  # give empty tensors the standard strides torch.save records
+            tensor = torch.empty(entry.shape, dtype=tensor.dtype)
+        state[entry.name] = tensor
     if metadata is not None:
         state._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
+    obj: Any = dict(state) if container == "dict" and metadata is None else state
     target = Path(path)
     if not target.parent.is_dir():
         raise CheckpointError(f"cannot write {target}: directory {target.parent} does not exist")
@@ -157,10 +167,10 @@ def write_torch(
         if archive is None or archive == "archive":
             tmp = tmpdir / "out"
             with tmp.open("wb") as f:  # a file object: torch names the records "archive/"
-                torch.save(state, f)
+                torch.save(obj, f)
         else:
             tmp = tmpdir / archive  # torch names the records after the file name's stem
-            torch.save(state, str(tmp))
+            torch.save(obj, str(tmp))
         with tmp.open("rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
