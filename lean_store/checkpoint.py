@@ -48,10 +48,14 @@ def backend_for(path: str | os.PathLike, backend: str | None = None) -> str:
 
 def detect_backend(path: str | os.PathLike) -> str:
     """The backend of an existing checkpoint, from what is on disk."""
+    if isinstance(path, str) and "://" in path:
+        return "zarr"  # fsspec URLs (file://, s3://, ...) hold Zarr stores
     p = Path(path)
     if p.is_dir():
         if (p / "zarr.json").is_file():
             return "zarr"
+        if (p / "lean_store.h5").is_file():
+            return "hdf5"  # a sharded HDF5 checkpoint directory (lean_store.distributed)
         raise IntegrityError(f"{p} is a directory but not a lean_store checkpoint (no zarr.json)")
     if p.is_file():
         with p.open("rb") as f:
@@ -84,11 +88,17 @@ def open_reader(path: Any, backend: str | None = None) -> StoreReader:
     if backend is None:
         backend = detect_backend(path)
     if backend == "hdf5":
+        from .distributed.hdf5_sharded import ShardedHDF5Reader, sharded_dir_of
         from .stores.hdf5 import HDF5Reader
 
-        return HDF5Reader(path)
+        directory = sharded_dir_of(path)
+        return HDF5Reader(path) if directory is None else ShardedHDF5Reader(directory)
     from .stores.zarr_store import ZarrReader
 
+    if isinstance(path, str) and "://" in path:
+        from zarr.storage import FsspecStore
+
+        return ZarrReader(FsspecStore.from_url(path, read_only=True))
     return ZarrReader(path)
 
 
@@ -169,6 +179,7 @@ def save(
     blocking: bool = True,
     buffer_bytes: int | None = None,
     snapshot: str = "auto",
+    process_group: Any = None,
 ) -> Any:
     """Save a torch module, a state dict, or a mapping of arrays/``Encoded`` to HDF5 or Zarr.
 
@@ -179,7 +190,16 @@ def save(
     ``progress``: True for a bar on a terminal, a stream to draw it there, None (default) for
     a bar only on a terminal and for big jobs. ``blocking=False`` snapshots the state (see
     :mod:`lean_store.async_save` for ``snapshot``) and returns a ``SaveHandle`` at once.
+    With ``process_group`` (or DTensors / ``LocalShard`` values in the state) every rank
+    calls ``save`` and writes only its own shards: see :mod:`lean_store.distributed`.
     """
+    from .distributed import wants_sharded
+
+    if wants_sharded(obj, process_group):
+        from .distributed.sharded_save import save as sharded_save
+
+        return sharded_save(obj, path, process_group=process_group, backend=backend,
+                            chunk_bytes=chunk_bytes, compression=compression)
     if not blocking:
         from .async_save import save_async
 
@@ -293,6 +313,9 @@ class Checkpoint(Mapping[str, TensorHandle]):
             self.root_attrs = self._reader.root_attrs
             self.format_version, self.kind, self.layout = parse_root(self.root_attrs, str(path))
             self._stored = check_stored(self._reader, self.layout, str(path))
+            from .distributed.sharded_read import stored_shards
+
+            self._shards = stored_shards(self)  # {} unless saved by lean_store.distributed
         except BaseException:
             self._reader.close()
             raise
@@ -317,7 +340,13 @@ class Checkpoint(Mapping[str, TensorHandle]):
             yield region, Selection.of_region(region)
 
     def iter_bits(self, entry: Entry) -> Iterator[tuple[Any, np.ndarray]]:
-        """Raw words region by region in C order; the digest is checked after the last one."""
+        """Raw words region by region in C order; the digest is checked after the last one.
+        A sharded tensor comes shard by shard instead, each shard's digest checked."""
+        if self._shards.get(entry.name):
+            from .distributed.sharded_read import iter_sharded_bits
+
+            yield from iter_sharded_bits(self, entry, self._shards[entry.name])
+            return
         node = self._stored[entry.name].node
         expected = self._stored[entry.name].attrs.get("crc32c")
         crc = 0
@@ -443,6 +472,7 @@ def load(
     cast: Mapping[str, Any] | None = None,
     verify: bool = True,
     progress: Any = None,
+    process_group: Any = None,
 ) -> LoadResult:
     """Load a checkpoint in place into a torch module, a state dict, or a dict of arrays.
 
@@ -450,7 +480,18 @@ def load(
     payload lengths) and, with ``verify=True``, every checksum is checked too. Only then is
     anything copied in; on any error the target is unchanged. There is never a silent cast:
     pass ``cast={"name": "float32"}`` to convert a tensor explicitly.
+    With ``process_group`` (or DTensors / ``LocalShard`` values in the target) every rank
+    reads only the regions of its own shards, from a checkpoint saved by any number of ranks.
     """
+    from .distributed import wants_sharded
+
+    if wants_sharded(target, process_group):
+        if cast:
+            raise CheckpointError("cast is not supported by sharded loads")
+        from .distributed.sharded_load import load as sharded_load
+
+        return sharded_load(target, path, process_group=process_group, strict=strict,
+                            verify=verify)
     casts = _casts(cast)
     targets = tensor_targets(target)
     target_layout = Layout.from_specs(

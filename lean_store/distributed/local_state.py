@@ -1,0 +1,161 @@
+"""What this rank holds: each state entry as a global tensor and this rank's box of it.
+
+A value is a DTensor (Shard/Replicate placements), a :class:`LocalShard` (a plain local tensor
+plus its global shape and offsets, for users without DTensor), or an ordinary tensor/array,
+which is replicated: every rank holds all of it and the lowest rank writes it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError
+from ..formats import ScalarFormat
+from ..layout import Layout
+from ..naming import check_names
+from ..sources import tensor_source, tensor_targets
+from ..sources.base import SourceTensor, TargetTensor
+from .shard_spec import Box, ShardSpec
+
+
+@dataclass
+class LocalShard:
+    """A plain local tensor (torch or numpy) that is the block ``offsets`` of a tensor of
+    ``global_shape``: ``ls.save({"w": LocalShard(t, (1024, 512), (256, 0))}, path,
+    process_group=pg)``."""
+
+    tensor: Any
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(d) for d in self.global_shape)
+        self.offsets = tuple(int(o) for o in self.offsets)
+
+    @property
+    def spec(self) -> ShardSpec:
+        shape = tuple(int(d) for d in self.tensor.shape)
+        if len(shape) != len(self.global_shape):
+            raise CheckpointError(
+                f"local shard of rank {len(shape)} for a global shape {self.global_shape}"
+            )
+        return ShardSpec.of(self.global_shape, self.offsets, shape)
+
+
+@dataclass
+class Piece:
+    """One entry of the local state: its global shape and format, and this rank's box."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    format: ScalarFormat
+    box: Box  # in stored coordinates (a scalar is stored as shape (1,))
+    local: Any  # the local tensor or array holding ``box``
+    sharded: bool  # False: an ordinary (replicated) value
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        return self.global_shape or (1,)
+
+    def source(self) -> SourceTensor:
+        """Reads regions of the box, in box-local coordinates, as raw words."""
+        src = tensor_source({self.name: self.local})
+        ((entry, tensor),) = list(src.tensors())
+        if entry.format != self.format:
+            raise CheckpointError(f"{self.name!r}: local format {entry.format.tag} differs")
+        return tensor
+
+    def target(self) -> TargetTensor:
+        """Writes regions of the box, in box-local coordinates, in place."""
+        return tensor_targets({self.name: self.local})[self.name]
+
+
+def is_dtensor(value: Any) -> bool:
+    if "torch" not in sys.modules:
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
+def state_items(state: Any) -> Mapping[str, Any]:
+    """The entries of a module (its state_dict, DTensors kept) or of a mapping."""
+    if callable(getattr(state, "state_dict", None)) and not isinstance(state, Mapping):
+        return state.state_dict()
+    if isinstance(state, Mapping):
+        return state
+    raise CheckpointError(
+        f"cannot take sharded state from a {type(state).__name__}: pass a module or a mapping"
+    )
+
+
+def holds_shards(state: Any) -> bool:
+    """True when ``state`` has a DTensor or a LocalShard (so a save or load must be sharded)."""
+    try:
+        items = state_items(state)
+    except CheckpointError:
+        return False
+    return any(isinstance(v, LocalShard) or is_dtensor(v) for v in items.values())
+
+
+def local_pieces(state: Any) -> list[Piece]:
+    """This rank's piece of every entry, in the state's order."""
+    items = state_items(state)
+    check_names(list(items))
+    return [_piece(name, value) for name, value in items.items()]
+
+
+def layout_of(pieces: Sequence[Piece]) -> Layout:
+    return Layout.from_specs([(p.name, p.global_shape, p.format) for p in pieces])
+
+
+def _piece(name: str, value: Any) -> Piece:
+    if isinstance(value, LocalShard):
+        spec = value.spec
+        fmt = _format(name, value.tensor)
+        box = spec.box if spec.global_shape else Box((0,), (1,))
+        return Piece(name, spec.global_shape, fmt, box, value.tensor, True)
+    if is_dtensor(value):
+        return _dtensor_piece(name, value)
+    fmt = _format(name, value)
+    shape = tuple(int(d) for d in getattr(value, "shape", ()))
+    return Piece(name, shape, fmt, Box.whole(shape or (1,)), value, False)
+
+
+def _format(name: str, value: Any) -> ScalarFormat:
+    layout = tensor_source({name: value}).layout
+    return layout[name].format
+
+
+def _dtensor_piece(name: str, value: Any) -> Piece:
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for placement in value.placements:
+        if type(placement) not in (Shard, Replicate):
+            raise CheckpointError(
+                f"{name!r}: DTensor placement {placement} is not supported; only Shard(dim) "
+                "and Replicate() describe a block of the tensor (reduce Partial first)"
+            )
+    shape = tuple(int(d) for d in value.shape)
+    local_shape, offsets = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    with torch.no_grad():
+        local = value.to_local()
+    if tuple(local.shape) != tuple(local_shape):
+        raise CheckpointError(
+            f"{name!r}: local tensor of shape {tuple(local.shape)}, placements say {local_shape}"
+        )
+    fmt = _format(name, local)
+    box = Box.of(offsets, local_shape) if shape else Box((0,), (1,))
+    return Piece(name, shape, fmt, box, local, True)
+
+
+__all__ = ["LocalShard", "Piece", "holds_shards", "layout_of", "local_pieces", "state_items"]

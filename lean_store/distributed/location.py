@@ -1,0 +1,86 @@
+"""Where a sharded checkpoint is written before it becomes visible, and how it is committed.
+
+Local (or shared POSIX) paths: a hidden temporary sibling, renamed into place atomically by
+rank 0 once every rank has finished; the previous checkpoint stays intact until then.
+fsspec URLs (``file://``, ``s3://``, ...; Zarr only): object stores cannot rename a prefix, so
+the data is written in place under a new prefix and the root ``zarr.json`` carrying
+``complete`` is the commit marker, written last by rank 0. Overwriting is refused there.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from ..stores.base import fsync_tree, remove_path, replace_atomically
+
+STORAGE_OPTIONS = {"auto_mkdir": True}
+
+
+def is_url(path: Any) -> bool:
+    return isinstance(path, str) and "://" in path
+
+
+class Location:
+    """The final path, and the root every rank writes to (``work``)."""
+
+    def __init__(self, path: Any, work: str) -> None:
+        self.path = path
+        self.work = work
+
+    @classmethod
+    def create(cls, path: Any) -> Location:
+        """Rank 0: choose the work root (the caller shares ``work`` with the other ranks)."""
+        if is_url(path):
+            fs, root = _fs(path)
+            if fs.exists(root):
+                raise CheckpointError(
+                    f"{path} exists: a sharded save to a URL never overwrites; use a new prefix "
+                    "per step"
+                )
+            return cls(path, path)
+        final = Path(path)
+        if not final.parent.is_dir():
+            raise CheckpointError(f"cannot save to {path}: directory {final.parent} does not exist")
+        tmp = final.with_name(f".{final.name}.lean_store-tmp-{uuid.uuid4().hex}")
+        tmp.mkdir()
+        return cls(path, str(tmp))
+
+    @property
+    def local(self) -> bool:
+        return not is_url(self.path)
+
+    def commit(self) -> None:
+        """Rank 0, after the commit marker was written into ``work``."""
+        if self.local:
+            fsync_tree(Path(self.work))
+            replace_atomically(Path(self.work), Path(self.path))
+
+    def abort(self) -> None:
+        """Rank 0: remove everything written; the previous checkpoint is untouched."""
+        if self.local:
+            remove_path(Path(self.work))
+        else:
+            fs, root = _fs(self.work)
+            try:
+                fs.rm(root, recursive=True)
+            except FileNotFoundError:
+                pass
+
+
+def _fs(url: str) -> tuple[Any, str]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **STORAGE_OPTIONS)
+    return fs, root
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,56 @@
+"""Optimizer state of sharded models as flat named tensors: each moment (``exp_avg``,
+``exp_avg_sq``, ...) keeps its parameter's placement, so it saves and reshards like the
+parameter. Names follow parameters, not positions: ``optim.<param name>.<key>``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CheckpointError
+
+PREFIX = "optim."
+
+
+def training_state(model: Any, optimizer: Any = None) -> dict[str, Any]:
+    state = dict(model.state_dict())
+    if optimizer is None:
+        return state
+    import torch
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = names.get(id(param))
+            if name is None:
+                raise CheckpointError("the optimizer holds a parameter the model does not have")
+            for key, value in optimizer.state.get(param, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    raise CheckpointError(
+                        f"optimizer state {name}.{key} is a {type(value).__name__}; only tensors "
+                        "can be saved in a sharded checkpoint"
+                    )
+                state[f"{PREFIX}{name}.{key}"] = value
+    return state
+
+
+def init_optimizer_state(optimizer: Any) -> None:
+    """One step with zero gradients and a learning rate of 0 creates every state tensor; the
+    parameters are unchanged (a zero update; AdamW's decay factor is exactly 1)."""
+    import torch
+
+    params = [p for g in optimizer.param_groups for p in g["params"] if p not in optimizer.state]
+    if not params:
+        return
+    saved = [(g, g["lr"]) for g in optimizer.param_groups]
+    grads = {id(p): p.grad for p in params}
+    try:
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for g, lr in saved:
+            g["lr"] = lr
+        for p in params:
+            p.grad = grads[id(p)]

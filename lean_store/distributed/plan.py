@@ -1,0 +1,82 @@
+"""The global save plan, computed identically on every rank from everyone's local description:
+the layout all ranks must agree on, and for each tensor its distinct shards and their owners."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError, LayoutError
+from ..layout import Entry, Layout
+from .local_state import Piece, layout_of
+from .shard_spec import Box, assign_owners
+
+SHARD_RECORD_KEYS = ("offsets", "lengths", "rank", "crc32c", "unit")
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor: ``shards[k] = (box, owner rank)`` sorted by offsets."""
+
+    entry: Entry
+    shards: tuple[tuple[Box, int], ...]
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        return self.entry.shape or (1,)
+
+    def owned(self, rank: int) -> list[tuple[int, Box]]:
+        return [(k, box) for k, (box, owner) in enumerate(self.shards) if owner == rank]
+
+
+def describe(pieces: list[Piece]) -> dict[str, Any]:
+    """This rank's contribution to the plan (plain JSON)."""
+    return {
+        "layout": layout_of(pieces).to_json(),
+        "boxes": [[list(p.box.offsets), list(p.box.lengths)] for p in pieces],
+    }
+
+
+def make_plan(descriptions: list[dict[str, Any]]) -> tuple[Layout, list[TensorPlan]]:
+    """Check that every rank has the same layout and that each tensor's distinct shards cover
+    it exactly once; returns the layout and one plan per tensor."""
+    layouts = [Layout.from_json(d["layout"]) for d in descriptions]
+    layout = layouts[0]
+    for rank, other in enumerate(layouts[1:], start=1):
+        diffs = other.diff(layout)
+        if diffs:
+            lines = "\n".join(f"  - {d}" for d in diffs)
+            raise LayoutError(f"rank {rank} holds a different state than rank 0:\n{lines}", diffs)
+    plans = []
+    for i, entry in enumerate(layout):
+        held = [[Box.of(*d["boxes"][i])] for d in descriptions]
+        shards = assign_owners(entry.shape or (1,), held, f"tensor {entry.name!r}")
+        plans.append(TensorPlan(entry, tuple(shards)))
+    return layout, plans
+
+
+def shard_records(plan: TensorPlan, digests: dict[int, list[Any]]) -> str:
+    """The ``shards`` attribute: JSON list of {offsets, lengths, rank, crc32c, unit}."""
+    records = []
+    for k, (box, owner) in enumerate(plan.shards):
+        crc, unit = digests[k]
+        records.append({**box.to_json(), "rank": owner, "crc32c": int(crc), "unit": list(unit)})
+    return json.dumps(records, separators=(",", ":"))
+
+
+def collect_digests(
+    plans: list[TensorPlan], per_rank: list[dict[str, Any]]
+) -> list[dict[int, list[Any]]]:
+    """Merge each rank's ``{"tensor index/k": [crc, unit]}`` into per-tensor maps, checking
+    that every shard was written by its owner."""
+    merged: list[dict[int, list[Any]]] = [{} for _ in plans]
+    for report in per_rank:
+        for key, value in (report or {}).items():
+            i, k = (int(x) for x in key.split("/"))
+            merged[i][k] = value
+    for i, plan in enumerate(plans):
+        missing = [k for k in range(len(plan.shards)) if k not in merged[i]]
+        if missing:
+            raise CheckpointError(f"tensor {plan.entry.name!r}: shards {missing} were not written")
+    return merged

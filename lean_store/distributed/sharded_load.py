@@ -1,0 +1,136 @@
+"""Sharded load with resharding: a checkpoint saved by N ranks (or by one process) loads into
+M ranks with any Shard/Replicate placement. Each rank reads only the parts of the stored shards
+that intersect its own boxes.
+
+Stages, each closed by an agreement so every rank raises the same error and none installs
+anything unless all can:
+
+1. validate: header, layout against the target, recorded shards cover every tensor exactly
+   once (done when the checkpoint is opened), the master file's mappings;
+2. verify (``verify=True``): every stored shard's digest, each shard checked by one rank
+   (round robin), so the whole checkpoint is read once in total across ranks;
+3. install: each rank reads the intersections of its boxes with the stored shards, in bounded
+   blocks, and copies them into its local tensors.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ..chunking import DEFAULT_CHUNK_BYTES, iter_regions, plan_chunks
+from ..errors import CheckpointError
+from ..stores.base import Selection
+from .collective import Collective
+from .local_state import Piece, layout_of, local_pieces
+from .shard_spec import Box, reads_for
+from .sharded_save import _agree
+
+
+def _stored_boxes(ck: Any, name: str) -> list[Box]:
+    shards = ck._shards.get(name)
+    if shards:
+        return [s.box for s in shards]
+    entry = ck.layout[name]
+    return [Box.whole(entry.shape or (1,))]
+
+
+def _verify_units(ck: Any, names: list[str]) -> list[tuple[str, int]]:
+    units = []
+    for name in names:
+        shards = ck._shards.get(name)
+        units.extend((name, k) for k in range(len(shards))) if shards else units.append((name, -1))
+    return units
+
+
+def _verify(ck: Any, name: str, k: int) -> None:
+    from .sharded_read import iter_shard_bits
+
+    entry = ck.layout[name]
+    bits = iter_shard_bits(ck, entry, ck._shards[name][k]) if k >= 0 else ck.iter_bits(entry)
+    for _ in bits:
+        pass
+
+
+def plan_reads(piece: Piece, stored: list[Box]) -> list[Box]:
+    """The regions this rank reads for one tensor: its box cut by the stored shards."""
+    return [] if piece.box.empty else reads_for(piece.box, stored)
+
+
+def load(
+    target: Any,
+    path: Any,
+    *,
+    process_group: Any = None,
+    strict: bool = True,
+    verify: bool = True,
+    block_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Any:
+    """Load into this rank's shards of ``target`` (all ranks of the group must call this)."""
+    from ..checkpoint import Checkpoint, LoadResult
+
+    comm = Collective(process_group)
+    error: BaseException | None = None
+    ck = None
+    pieces: list[Piece] = []
+    names: list[str] = []
+    result = LoadResult()
+    try:
+        try:
+            pieces = local_pieces(target)
+            expected = layout_of(pieces)
+            ck = Checkpoint(path)
+            ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
+                            order_matters=strict)
+            names = [n for n in expected.names() if n in ck.layout]
+            result = LoadResult(
+                missing=[n for n in expected.names() if n not in ck.layout],
+                unexpected=[n for n in ck.layout.names() if n not in expected],
+            )
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+            error = exc
+        _agree(comm, error)
+        assert ck is not None
+        if verify:
+            error = None
+            try:
+                units = _verify_units(ck, names)
+                for name, k in units[comm.rank :: comm.size]:
+                    _verify(ck, name, k)
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+            _agree(comm, error)
+        error = None
+        try:
+            by_name = {p.name: p for p in pieces}
+            for name in names:
+                _install(ck, by_name[name], _stored_boxes(ck, name), block_bytes)
+                result.loaded.append(name)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        _agree(comm, error)
+    finally:
+        if ck is not None:
+            ck.close()
+    if result.missing or result.unexpected:
+        warnings.warn(
+            f"strict=False: skipped {len(result.missing)} tensors missing from the checkpoint "
+            f"{result.missing} and {len(result.unexpected)} unexpected ones {result.unexpected}",
+            stacklevel=2,
+        )
+    return result
+
+
+def _install(ck: Any, piece: Piece, stored: list[Box], block_bytes: int) -> None:
+    entry = ck.layout[piece.name]
+    if entry.format != piece.format:  # the layout check makes this unreachable
+        raise CheckpointError(f"{piece.name!r}: format differs from the checkpoint")
+    node = ck._stored[piece.name].node
+    target = piece.target()
+    itemsize = entry.format.storage_dtype.itemsize * entry.format.words_per_value
+    for part in plan_reads(piece, stored):
+        unit = plan_chunks(part.lengths, itemsize, block_bytes)
+        for local in iter_regions(part.lengths, unit):
+            region = tuple(slice(s.start + o, s.stop + o) for s, o in zip(local, part.offsets))
+            words = ck._reader.read(node, Selection.of_region(region), entry.format)
+            target.write(piece.box.local(region), words)
