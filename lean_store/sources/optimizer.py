@@ -27,6 +27,9 @@ from .torch_source import format_of_dtype
 
 SCHEDULED = ("lr", "initial_lr")
 """Group keys a learning-rate scheduler changes as training runs: restored, not compared."""
+CYCLED = ("momentum", "betas")
+"""Also restored, not compared, in groups whose momentum a scheduler cycles (OneCycleLR and
+CyclicLR with ``cycle_momentum`` mark such groups with ``max_momentum``)."""
 
 _NUMBER_FORMATS = {"int": "int64", "float": "float64", "bool": "bool"}
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -270,9 +273,12 @@ def prepare(
             raise CheckpointError(f"optimizer group {g}: malformed hyperparameters")
         live = {k: v for k, v in lg.items() if k not in ("params", "param_names")}
         new = dict(lg)
+        restored = set(scheduled)
+        if "max_momentum" in live and "max_momentum" in hyper:
+            restored |= set(CYCLED)
         for key in sorted(set(hyper) | set(live)):
             label = f"group {g} {key}"
-            if key in scheduled and key in hyper:
+            if key in restored and key in hyper:
                 value = hyper[key]
                 if key in live and isinstance(live[key], torch.Tensor):
                     if not isinstance(value, torch.Tensor):
