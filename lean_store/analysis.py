@@ -5,8 +5,9 @@
 ...     w.mean().compute()                    # reads chunk by chunk, in parallel
 ...     ds = ck.to_xarray()                   # one variable per tensor, all lazy
 
-Formats with a numpy dtype (ml_dtypes included) keep it; every other format is decoded exactly
-to float64 (complex128 for complex formats), chunk by chunk, inside the dask graph. Each chunk
+``to_dask`` keeps formats with a numpy dtype (ml_dtypes included) and decodes every other format
+exactly to float64 (complex128 for complex formats), chunk by chunk, inside the dask graph;
+``to_xarray`` also decodes the ml_dtypes formats, which xarray cannot reduce. Each chunk
 read is checked by the store's per-chunk checksum (HDF5 fletcher32, Zarr crc32c).
 
 The graph holds the checkpoint's path, not an open file: every process (a dask worker on a
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import CheckpointError
+from .formats import BoolFormat, IntegerFormat
 from .reading import decoder, values_dtype
 
 if TYPE_CHECKING:
@@ -55,26 +57,38 @@ def close_handles() -> None:
 class TensorBlocks:
     """Array-like block reader for ``dask.array.from_array`` (holds a path, not a file)."""
 
-    def __init__(self, path: str, backend: str, name: str, shape: tuple[int, ...], fmt: Any):
+    def __init__(
+        self, path: str, backend: str, name: str, shape: tuple[int, ...], fmt: Any, decode: bool
+    ) -> None:
         self.path, self.backend, self.name = path, backend, name
         self.shape = shape
         self.ndim = len(shape)
         self.format = fmt
-        self.dtype = fmt.numpy_dtype if fmt.numpy_dtype is not None else values_dtype(fmt)
+        self.decode = decode or fmt.numpy_dtype is None
+        self.dtype = values_dtype(fmt) if self.decode else fmt.numpy_dtype
 
     def __getitem__(self, key: Any) -> np.ndarray:
         handle = _checkpoint(self.path, self.backend)[self.name]
         words = handle.bits(key)
         fmt = self.format
-        if fmt.numpy_dtype is None:
+        if self.decode:
             return decoder(fmt)(words)
         from .checkpoint import as_values
 
         return np.asarray(as_values(words, fmt))
 
 
-def to_dask(ck: Checkpoint, name: str) -> Any:
-    """A lazy dask array of tensor ``name``, one dask chunk per stored chunk."""
+def _plain_numpy(dtype: Any) -> bool:
+    return dtype is not None and type(dtype).__module__ == "numpy.dtypes"
+
+
+def to_dask(ck: Checkpoint, name: str, *, decode: bool | None = None) -> Any:
+    """A lazy dask array of tensor ``name``, one dask chunk per stored chunk.
+
+    ``decode=None`` (default): formats with a numpy or ml_dtypes dtype keep it, the rest are
+    decoded exactly to float64 (complex128). ``decode=True`` also decodes the ml_dtypes
+    formats (bfloat16, float8, ...) to float64, which every numpy/xarray operation accepts.
+    """
     try:
         import dask.array as da
         from dask.base import tokenize
@@ -86,7 +100,12 @@ def to_dask(ck: Checkpoint, name: str) -> Any:
     if not isinstance(ck.path, (str, os.PathLike)):
         raise CheckpointError("to_dask needs a checkpoint opened from a path")
     path = os.path.abspath(os.fspath(ck.path))
-    blocks = TensorBlocks(path, ck.backend, name, handle.shape, handle.format)
+    fmt = handle.format
+    if decode is None:
+        decode = fmt.numpy_dtype is None
+    if isinstance(fmt, (IntegerFormat, BoolFormat)):
+        decode = False  # integers and bools are their own values
+    blocks = TensorBlocks(path, ck.backend, name, handle.shape, fmt, bool(decode))
     chunks: Any = tuple(handle.chunks[: handle.ndim]) if handle.ndim else ()
     stat = os.stat(path)
     token = tokenize(path, stat.st_mtime_ns, stat.st_size, name)
@@ -100,7 +119,9 @@ def to_xarray(ck: Checkpoint) -> Any:
     """An ``xarray.Dataset`` with one lazy (dask) variable per tensor, in layout order.
 
     Dimensions are named ``"<tensor>.dim_<i>"`` so that tensors never share an axis by accident.
-    Each variable's attrs carry its ``format`` tag, ``width`` and ``index``.
+    Each variable's attrs carry its ``format`` tag, ``width`` and ``index``. Formats without a
+    plain numpy dtype (bfloat16, float8, ... and configured formats) are decoded exactly to
+    float64 (complex128), because xarray's reductions reject ml_dtypes dtypes.
     """
     try:
         import xarray as xr
@@ -110,7 +131,9 @@ def to_xarray(ck: Checkpoint) -> Any:
     for entry in ck.layout:
         dims = tuple(f"{entry.name}.dim_{i}" for i in range(len(entry.shape)))
         attrs = {"format": entry.format.tag, "width": entry.format.width, "index": entry.index}
-        variables[entry.name] = xr.Variable(dims, to_dask(ck, entry.name), attrs=attrs)
+        decode = not _plain_numpy(entry.format.numpy_dtype)
+        variables[entry.name] = xr.Variable(dims, to_dask(ck, entry.name, decode=decode),
+                                            attrs=attrs)
     attrs = {"lean_store_kind": ck.kind, "format_version": ck.format_version,
              "path": os.fspath(ck.path)}
     return xr.Dataset(variables, attrs=attrs)

@@ -374,11 +374,11 @@ class Checkpoint(Mapping[str, TensorHandle]):
             for _ in self.iter_bits(entry):
                 pass
 
-    def to_dask(self, name: str) -> Any:
+    def to_dask(self, name: str, *, decode: bool | None = None) -> Any:
         """A lazy dask array of tensor ``name``, chunked like the store (see ``analysis``)."""
         from .analysis import to_dask
 
-        return to_dask(self, name)
+        return to_dask(self, name, decode=decode)
 
     def to_xarray(self) -> Any:
         """An ``xarray.Dataset`` of every tensor as lazy dask variables (see ``analysis``)."""
