@@ -324,8 +324,8 @@ def _load(path: Any, *, model: Any, names_model: Any, optimizer: Any, rng: bool,
             install()
     if lost:
         warnings.warn(
-            f"{path}: restored without {', '.join(lost)}: the optimizer moments and model are "
-            "restored, but a stochastic continuation cannot be reproduced",
+            f"{path}: restored without {', '.join(lost)}: the optimizer moments (and any model) "
+            "are restored, but a stochastic continuation cannot be reproduced",
             stacklevel=stacklevel,
         )
     return TrainingInfo(step=step, extra=extra_value, data=data_state, format_version=version,

@@ -10,7 +10,6 @@ the real generators.
 from __future__ import annotations
 
 import random
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -75,7 +74,7 @@ def capture(tensors: dict[str, Any], generators: Mapping[str, Any] | None = None
     meta: dict[str, Any] = {}
     if global_state:
         meta["torch_cpu"] = encode(torch.get_rng_state(), f"{PREFIX}torch_cpu", tensors)
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        cuda = torch.cuda.get_rng_state_all() if _cuda_in_use() else []
         meta["torch_cuda"] = [
             encode(s, f"{PREFIX}torch_cuda/{i}", tensors) for i, s in enumerate(cuda)
         ]
@@ -148,6 +147,12 @@ def prepare(meta: Any, lookup: Callable[[str, str], Any], generators: Mapping[st
     return install, lost
 
 
+def _cuda_in_use() -> bool:
+    """CUDA generators matter once CUDA is initialized; before that none has been drawn from,
+    and capturing them would start CUDA in a process that never used it."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def _prepare_cuda(items: Any, lookup: Callable[[str, str], Any],
                   lost: list[str]) -> list[Callable[[], None]]:
     items = items or []
@@ -155,7 +160,7 @@ def _prepare_cuda(items: Any, lookup: Callable[[str, str], Any],
         raise IntegrityError("malformed CUDA RNG metadata")
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not items:
-        if available:
+        if _cuda_in_use():
             lost.append("CUDA RNG (the checkpoint has none)")
         return []
     if available != len(items):
@@ -167,12 +172,4 @@ def _prepare_cuda(items: Any, lookup: Callable[[str, str], Any],
     return [lambda: torch.cuda.set_rng_state_all(states)]
 
 
-def warn_lost(where: str, lost: list[str]) -> None:
-    warnings.warn(
-        f"{where}: restored without {', '.join(lost)}: the optimizer moments and model are "
-        "restored, but a stochastic continuation cannot be reproduced",
-        stacklevel=3,
-    )
-
-
-__all__ = ["capture", "generator_state", "prepare", "warn_lost"]
+__all__ = ["capture", "check_generator_state", "generator_state", "prepare"]
