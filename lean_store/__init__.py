@@ -8,7 +8,7 @@
 ...     ck["layer.weight"][10:20]
 """
 
-from . import formats
+from . import distributed, formats
 from ._version import __version__ as __version__
 from .async_save import SaveHandle, save_async
 from .checkpoint import Checkpoint, LoadResult, TensorHandle, load, load_state, open, save
@@ -37,6 +37,7 @@ __all__ = [
     "TensorHandle",
     "TrainingInfo",
     "UnsafeFileError",
+    "distributed",
     "formats",
     "load",
     "load_optimizer",
