@@ -211,6 +211,12 @@ def test_scheduled_learning_rate_is_restored_not_compared(tmp_path):
     ls.load_training(path, model=model, optimizer=fresh, scheduler=fresh_sched)
     assert fresh.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.1 * 0.5**3
     assert fresh_sched.state_dict() == sched.state_dict()
+    # saved without a scheduler, loaded into an optimizer that has one: initial_lr stays live
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _steps(model, plain, 1)
+    ls.save_optimizer(plain, tmp_path / "plain.h5", model=model)
+    ls.load_optimizer(fresh, tmp_path / "plain.h5", model=model)
+    assert fresh.param_groups[0]["initial_lr"] == 0.1 and fresh.param_groups[0]["lr"] == 0.1
 
 
 # ------------------------------------------------------------------------------- rejections

@@ -278,7 +278,9 @@ def prepare(
             restored |= set(CYCLED)
         for key in sorted(set(hyper) | set(live)):
             label = f"group {g} {key}"
-            if key in restored and key in hyper:
+            if key in restored:
+                if key not in hyper:
+                    continue  # the file never had it (no scheduler then): keep the live value
                 value = hyper[key]
                 if key in live and isinstance(live[key], torch.Tensor):
                     if not isinstance(value, torch.Tensor):
