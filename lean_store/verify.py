@@ -9,8 +9,13 @@ chunk, no empty slot in a Zarr shard index, a checksum configured on every tenso
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,9 +83,23 @@ class VerifyReport:
         return f"{head}: {len(self.problems)} problem(s)\n{lines}"
 
 
-def verify(path: str | os.PathLike, *, backend: str | None = None) -> VerifyReport:
+def verify(
+    path: str | os.PathLike,
+    *,
+    backend: str | None = None,
+    isolate: bool = False,
+    timeout: float | None = None,
+    memory_limit: int | None = None,
+) -> VerifyReport:
     """Check every chunk and digest of the checkpoint at ``path``; never raises for a bad file
-    (see :meth:`VerifyReport.raise_if_bad`)."""
+    (see :meth:`VerifyReport.raise_if_bad`).
+
+    ``isolate=True`` runs the check in a child process, for files from untrusted sources: a
+    hang in libhdf5 past ``timeout`` seconds, a crash, or an allocation past ``memory_limit``
+    bytes of address space becomes a reported problem instead of taking this process down.
+    """
+    if isolate:
+        return _verify_isolated(str(path), backend, timeout, memory_limit)
     from .checkpoint import Checkpoint
 
     report = VerifyReport(str(path))
@@ -100,6 +119,60 @@ def verify(path: str | os.PathLike, *, backend: str | None = None) -> VerifyRepo
     return report
 
 
+def _verify_isolated(
+    path: str, backend: str | None, timeout: float | None, memory_limit: int | None
+) -> VerifyReport:
+    args = [sys.executable, "-m", "lean_store.verify", path, "--json"]
+    if backend:
+        args += ["--backend", backend]
+    if memory_limit:
+        args += ["--memory-limit", str(int(memory_limit))]
+    report = VerifyReport(path)
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        report.problems.append(Problem(None, None, f"verification did not finish in {timeout} s"))
+        return report
+    if done.returncode != 0 or not done.stdout.strip():
+        why = f"signal {-done.returncode}" if done.returncode < 0 else f"status {done.returncode}"
+        tail = done.stderr.strip().splitlines()[-1:] if done.stderr.strip() else []
+        report.problems.append(Problem(None, None, f"the reader crashed ({why}) {tail}"))
+        return report
+    data = json.loads(done.stdout)
+    problems = [
+        Problem(p["tensor"], tuple(p["chunk"]) if p["chunk"] is not None else None, p["message"])
+        for p in data.pop("problems")
+    ]
+    return VerifyReport(problems=problems, **data)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lean_store.verify")
+    parser.add_argument("path")
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--memory-limit", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.memory_limit:
+        import resource
+
+        import h5py  # noqa: F401 - load the libraries before the limit applies
+        import zarr  # noqa: F401
+
+        resource.setrlimit(resource.RLIMIT_AS, (args.memory_limit, args.memory_limit))
+    try:
+        report = verify(args.path, backend=args.backend)
+    except MemoryError:
+        print("allocation past the memory limit", file=sys.stderr)
+        return 3
+    if args.json:
+        data = dataclasses.asdict(report)
+        print(json.dumps(data))
+    else:
+        print(report)
+    return 0 if report.ok or args.json else 1
+
+
 def _chunk_regions(
     shape: tuple[int, ...], chunks: tuple[int, ...]
 ) -> Iterator[tuple[tuple[int, ...], Region]]:
@@ -110,6 +183,11 @@ def _chunk_regions(
 def _verify_tensor(ck: Any, entry: Entry, report: VerifyReport) -> None:
     from .checkpoint import _is_row_block, crc32c_update
 
+    if ck._shards.get(entry.name):  # saved by lean_store.distributed: one digest per shard
+        from .distributed.sharded_read import verify_sharded_tensor
+
+        verify_sharded_tensor(ck, entry, report, Problem)
+        return
     info = ck._stored[entry.name]
     reader = ck._reader
     for chunk, message in _structure_problems(reader, info):
@@ -241,3 +319,6 @@ def _shard_index_problems(
 
 
 __all__ = ["Problem", "VerifyReport", "verify"]
+
+if __name__ == "__main__":
+    sys.exit(_main())
