@@ -179,6 +179,7 @@ class HDF5Reader(StoreReader):
             self._file.close()
             raise
         self._types: dict[str, Any] = {}
+        self._direct_chunks: dict[str, tuple] = {}  # node -> (chunks, shape), or () for H5Dread
 
     def nodes(self) -> list[str]:
         try:
@@ -262,6 +263,8 @@ class HDF5Reader(StoreReader):
         out = np.empty(count + ((2,) if words == 2 else ()), dtype=fmt.storage_dtype)
         if out.size == 0:
             return out
+        if self._read_chunk(node, ds, selection, out):
+            return out
         fspace = ds.id.get_space()
         fspace.select_hyperslab(selection.start, count, selection.step)
         buf = out.view(np.uint8).reshape(-1).view(f"V{ftype.get_size()}").reshape(count)
@@ -270,6 +273,46 @@ class HDF5Reader(StoreReader):
         except (OSError, RuntimeError, ValueError) as exc:
             raise IntegrityError(f"tensor {node!r}: HDF5 read failed ({exc})") from None
         return out
+
+    def _read_chunk(self, node: str, ds: h5py.Dataset, selection: Selection, out: Any) -> bool:
+        """Fast path for a whole row-block chunk stored with fletcher32 alone: H5Dread_chunk,
+        checksum verified by numcodecs (2-3x faster than HDF5's). False: use H5Dread."""
+        direct = self._direct_chunks
+        info = direct.get(node)
+        if info is None:
+            dcpl = ds.id.get_create_plist()
+            ok = (
+                ds.chunks is not None and dcpl.get_nfilters() == 1
+                and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
+            )
+            info = direct[node] = (tuple(ds.chunks), tuple(ds.shape)) if ok else ()
+        if not info:
+            return False
+        chunks, shape = info
+        start, count = selection.start, selection.count
+        split = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), len(shape))
+        row_block = all(c == 1 for c in chunks[:split]) and chunks[split + 1 :] == shape[
+            split + 1 :
+        ]
+        whole = all(
+            a % c == 0 and (n == c or (row_block and i == split and a + n == d))
+            for i, (a, n, c, d) in enumerate(zip(start, count, chunks, shape))
+        )
+        if not whole or any(step != 1 for step in selection.step):
+            return False
+        try:
+            mask, raw = ds.id.read_direct_chunk(start)
+        except (OSError, RuntimeError, ValueError, KeyError):
+            return False  # e.g. a chunk never written: H5Dread knows the fill value
+        if mask != 0:
+            return False
+        try:
+            data = _FLETCHER32.decode(raw)
+        except RuntimeError as exc:
+            raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start}: {exc}") from None
+        flat = out.view(np.uint8).reshape(-1)
+        flat[...] = np.frombuffer(data, np.uint8, count=flat.size)
+        return True
 
     def close(self) -> None:
         self._file.close()
