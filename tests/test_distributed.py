@@ -496,6 +496,18 @@ def test_bad_checkpoints_are_rejected_with_the_same_error_on_every_rank(worlds, 
     assert all(e["unchanged"] for e in errs)
 
 
+def test_verify_checks_every_shard_digest(worlds):
+    import lean_store as ls
+
+    out, _saved, _loaded = worlds
+    for name in ("ck.zarr", "ck.h5"):
+        report = ls.verify(out / name)
+        assert report.ok and report.tensors == 16, str(report)
+    report = ls.verify(out / "corrupt.zarr")
+    assert report.bad_tensors == ["0.weight"]
+    assert "shard [9:12, 0:8] (rank 3)" in str(report) and "crc32c" in str(report)
+
+
 def test_single_process_rejects_bad_shards(worlds):
     import lean_store as ls
     from lean_store.errors import IntegrityError

@@ -74,13 +74,10 @@ class Piece:
 
 
 def is_dtensor(value: Any) -> bool:
-    if "torch" not in sys.modules:
-        return False
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(value, DTensor)
+    """True for a DTensor; never imports torch (no DTensor exists before its module loads)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(value, dtensor)
 
 
 def state_items(state: Any) -> Mapping[str, Any]:

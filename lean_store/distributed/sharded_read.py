@@ -131,3 +131,20 @@ def iter_sharded_bits(ck: Checkpoint, entry: Entry, shards: list[StoredShard]
         return
     for shard in shards:
         yield from iter_shard_bits(ck, entry, shard)
+
+
+def verify_sharded_tensor(ck: Checkpoint, entry: Entry, report: Any, problem: Any) -> None:
+    """``ls.verify`` for a sharded tensor: every shard read in its digest units (each unit's
+    chunks checked by the store's own checksums) and its digest compared; one problem per
+    bad shard, naming its box and writer rank."""
+    from ..errors import CheckpointError
+
+    for shard in ck._shards[entry.name]:
+        try:
+            for _region, words in iter_shard_bits(ck, entry, shard):
+                report.chunks += 1
+                report.nbytes += words.nbytes
+        except CheckpointError as exc:
+            report.problems.append(
+                problem(entry.name, None, f"shard {shard.box} (rank {shard.rank}): {exc}")
+            )
