@@ -149,7 +149,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.stats:
         columns += ["min", "max", "mean", "NaN", "inf"]
     for col in columns:
-        table.add_column(col, justify="right" if col in ("#", "width", "bytes on disk") else "left")
+        table.add_column(col, justify="right" if col in ("#", "width", "bytes on disk") else "left",
+                         overflow="fold")
     for row in rows:
         cells = [str(row["index"]), row["name"], str(tuple(row["shape"])), row["format"],
                  str(row["width"]), str(tuple(row["chunks"])), _size(row["bytes_on_disk"]),
@@ -221,7 +222,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     table = Table(title=f"{args.a}  vs  {args.b}")
     for col in ("name", "bit-identical", "differing", "max abs", "max rel", "max ULP", "NaN≠"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for t in report.tensors:
         same = "yes" if t.identical else ("no" if t.comparable else "shape differs")
         table.add_row(t.name, same, str(t.differing), _num(t.max_abs), _num(t.max_rel),

@@ -3,7 +3,9 @@
 Every format is decoded exactly (``Encoded`` formats through their codec) before anything is
 computed. ``min``/``max``/``mean`` are over the finite values; NaN and infinities are counted
 separately. Integer means are exact (the sum is kept as a Python integer); float means sum
-each block pairwise in float64 and combine the block sums with ``math.fsum``.
+each block pairwise in float64 and combine the block sums with ``math.fsum`` (a block whose sum
+would overflow is summed scaled by an exact power of two, so huge finite values give a finite
+mean).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import numpy as np
 from .formats import BoolFormat, ComplexFormat, IntegerFormat
 from .layout import Entry
 from .reading import DEFAULT_BLOCK_BYTES, decoder, iter_words
+
+SCALE = 64  # block sums that overflow are taken of x * 2**-SCALE
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -62,7 +66,9 @@ class _Accumulator:
         self.decode = decoder(fmt)
         self.int_sum = 0
         self.float_sums: list[float] = []
-        self.complex_sums: list[complex] = []
+        self.scaled_sums: list[float] = []  # block sums that overflowed, taken of x * 2**-SCALE
+        self.imag_sums: list[float] = []
+        self.imag_scaled: list[float] = []
 
     def add(self, words: np.ndarray) -> None:
         values = self.decode(words).reshape(-1)
@@ -82,7 +88,8 @@ class _Accumulator:
             finite = values[~nan & ~inf]
             s.finite += finite.size
             if finite.size:
-                self.complex_sums.append(complex(finite.sum()))
+                self._add_sum(finite.real)
+                self._add_sum(finite.imag, imag=True)
             return
         nan = np.isnan(values)
         s.nan += int(nan.sum())
@@ -94,7 +101,21 @@ class _Accumulator:
             lo, hi = float(finite.min()), float(finite.max())
             s.min = lo if s.min is None else min(s.min, lo)
             s.max = hi if s.max is None else max(s.max, hi)
-            self.float_sums.append(float(finite.sum()))
+            self._add_sum(finite)
+
+    def _add_sum(self, finite: np.ndarray, imag: bool = False) -> None:
+        sums, scaled = (self.imag_sums, self.imag_scaled) if imag else (
+            self.float_sums, self.scaled_sums)
+        with np.errstate(over="ignore"):
+            total = float(finite.sum())
+        if math.isfinite(total):
+            sums.append(total)
+        else:  # finite values whose float64 sum overflows: sum them scaled (exact powers of 2)
+            scaled.append(float((finite * 2.0**-SCALE).sum()))
+
+    def _mean(self, sums: list[float], scaled: list[float]) -> float:
+        n = self.stats.finite
+        return math.fsum(sums) / n + (math.fsum(scaled) / n) * 2.0**SCALE
 
     def _add_integers(self, values: np.ndarray) -> None:
         s = self.stats
@@ -118,11 +139,10 @@ class _Accumulator:
             if self.integral:
                 s.mean = self.int_sum / s.finite  # Python int / int: correctly rounded
             elif self.complex:
-                re = math.fsum(c.real for c in self.complex_sums)
-                im = math.fsum(c.imag for c in self.complex_sums)
-                s.mean = complex(re / s.finite, im / s.finite)
+                s.mean = complex(self._mean(self.float_sums, self.scaled_sums),
+                                 self._mean(self.imag_sums, self.imag_scaled))
             else:
-                s.mean = math.fsum(self.float_sums) / s.finite
+                s.mean = self._mean(self.float_sums, self.scaled_sums)
         return s
 
 

@@ -199,3 +199,13 @@ def test_console_script_and_module_entry_points(tmp_path: Path, ckpt: Path) -> N
     result = subprocess.run([sys.executable, "-m", "lean_store", "inspect", str(tmp_path / "x")],
                             capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_stats_mean_of_huge_finite_values_is_finite(capsys: pytest.CaptureFixture,
+                                                    tmp_path: Path) -> None:
+    x = np.array([1.7e308, 1.7e308, -1e308, 5.0, np.nan])
+    ls.save({"x": x, "e": np.zeros((0, 3), np.float32)}, tmp_path / "big.zarr")
+    code, out, _ = run(capsys, "inspect", tmp_path / "big.zarr", "--stats", "--json")
+    stats = {t["name"]: t["stats"] for t in json.loads(out)["tensors"]}
+    assert code == 0 and stats["x"]["mean"] == 6e307 and stats["x"]["nan"] == 1
+    assert stats["e"]["count"] == 0 and stats["e"]["mean"] is None
