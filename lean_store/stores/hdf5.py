@@ -295,7 +295,7 @@ class HDF5Reader(StoreReader):
             split + 1 :
         ]
         whole = all(
-            a % c == 0 and (n == c or (row_block and i == split and a + n == d))
+            a % c == 0 and (n == c or (row_block and i == split and a + n == d and n < c))
             for i, (a, n, c, d) in enumerate(zip(start, count, chunks, shape))
         )
         if not whole or any(step != 1 for step in selection.step):
