@@ -35,6 +35,11 @@ def worker():
     w.close()
 
 
+def _text(value: str | bytes) -> bytes:
+    """Attribute text as stored: lean_store writes fixed-length UTF-8 strings (h5py: bytes)."""
+    return value if isinstance(value, bytes) else value.encode()
+
+
 def _hdf5_regions(path: Path) -> dict[str, list[tuple[Path, int]]]:
     """Byte offsets of chunk payloads, attribute text, and everything else."""
     data: set[int] = set()
@@ -43,9 +48,9 @@ def _hdf5_regions(path: Path) -> dict[str, list[tuple[Path, int]]]:
             for i in range(ds.id.get_num_chunks()):
                 info = ds.id.get_chunk_info(i)
                 data.update(range(info.byte_offset, info.byte_offset + info.size))
-        texts = [str(v).encode() for v in f.attrs.values() if isinstance(v, str)]
+        texts = [_text(v) for v in f.attrs.values() if isinstance(v, (str, bytes))]
         for ds in f.values():
-            texts += [str(v).encode() for v in ds.attrs.values() if isinstance(v, str)]
+            texts += [_text(v) for v in ds.attrs.values() if isinstance(v, (str, bytes))]
     raw = path.read_bytes()
     attrs: set[int] = set()
     for text in texts:

@@ -41,19 +41,27 @@ ALLOWED_FILTERS = {
 
 
 def to_hdf5_attr(value: Any) -> Any:
-    """Attributes: strings and numbers as themselves, shapes as int64 arrays, the rest as JSON."""
+    """Attributes: numbers as themselves, shapes as int64 arrays, strings (and JSON text for
+    anything else) as *fixed-length* UTF-8 strings.
+
+    Fixed-length strings keep every attribute inside its object header. Variable-length strings
+    live in HDF5's global heap, and libhdf5 can loop forever on a corrupted global heap; with no
+    global heap in the file, that hang cannot be reached through a lean_store file.
+    """
     if isinstance(value, bool):
         return np.int8(value)
-    if isinstance(value, (str, int, float)):
+    if isinstance(value, (int, float)):
         return value
     if isinstance(value, tuple):
         return np.asarray(value, dtype=np.int64).reshape(-1)
-    return json.dumps(value, separators=(",", ":"))
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    data = text.encode("utf-8")
+    return np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data))))
 
 
 def from_hdf5_attr(value: Any) -> Any:
     if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
+        return value.decode("utf-8")
     if isinstance(value, np.ndarray):
         return tuple(int(v) for v in value.reshape(-1)) if value.dtype.kind in "iu" else value
     if isinstance(value, np.generic):
