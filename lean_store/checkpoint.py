@@ -515,13 +515,18 @@ def load(
             for name in names:
                 _install(ck, ck.layout[name], targets[name], bar)
                 result.loaded.append(name)
+    warn_skipped(result)
+    return result
+
+
+def warn_skipped(result: LoadResult) -> None:
+    """Say which names ``strict=False`` skipped, if any."""
     if result.missing or result.unexpected:
         warnings.warn(
             f"strict=False: skipped {len(result.missing)} tensors missing from the checkpoint "
             f"{result.missing} and {len(result.unexpected)} unexpected ones {result.unexpected}",
-            stacklevel=2,
+            stacklevel=3,
         )
-    return result
 
 
 def _install(ck: Checkpoint, entry: Entry, target: TargetTensor, bar: Any) -> None:

@@ -45,12 +45,18 @@ def iter_regions(shape: tuple[int, ...], unit: tuple[int, ...]) -> Iterator[Regi
     if any(d == 0 for d in shape):
         return
     counts = [math.ceil(d / u) for d, u in zip(shape, unit)]
-    index = [0] * len(shape)
+    for index in grid_indices(counts):
+        yield tuple(slice(i * u, min((i + 1) * u, d)) for i, u, d in zip(index, unit, shape))
+
+
+def grid_indices(counts: list[int]) -> Iterator[tuple[int, ...]]:
+    """Every index of an N-d grid with ``counts`` cells per axis, in C order."""
+    if any(n <= 0 for n in counts):
+        return
+    index = [0] * len(counts)
     while True:
-        yield tuple(
-            slice(i * u, min((i + 1) * u, d)) for i, u, d in zip(index, unit, shape)
-        )
-        for axis in reversed(range(len(shape))):
+        yield tuple(index)
+        for axis in reversed(range(len(counts))):
             index[axis] += 1
             if index[axis] < counts[axis]:
                 break

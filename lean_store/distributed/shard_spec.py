@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..chunking import Region
+from ..chunking import Region, grid_indices
 from ..errors import CheckpointError
 
 CHUNKS_PER_SHARD = 16  # tiny aligned chunks are accepted up to this many per shard
@@ -148,22 +148,11 @@ def first_gap(shape: Sequence[int], boxes: Sequence[Box]) -> Box | None:
 
 
 def _grid_cells(cuts: list[list[int]]) -> Iterable[Box]:
-    index = [0] * len(cuts)
-    counts = [len(c) - 1 for c in cuts]
-    if any(n <= 0 for n in counts):
-        return
-    while True:
+    for index in grid_indices([len(c) - 1 for c in cuts]):
         yield Box(
             tuple(c[i] for c, i in zip(cuts, index)),
             tuple(c[i + 1] - c[i] for c, i in zip(cuts, index)),
         )
-        for axis in reversed(range(len(cuts))):
-            index[axis] += 1
-            if index[axis] < counts[axis]:
-                break
-            index[axis] = 0
-        else:
-            return
 
 
 def check_coverage(shape: Sequence[int], boxes: Sequence[Box], what: str) -> None:

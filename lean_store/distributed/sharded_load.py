@@ -15,7 +15,6 @@ anything unless all can:
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from ..chunking import DEFAULT_CHUNK_BYTES, iter_regions, plan_chunks
@@ -67,7 +66,7 @@ def load(
     block_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Any:
     """Load into this rank's shards of ``target`` (all ranks of the group must call this)."""
-    from ..checkpoint import Checkpoint, LoadResult
+    from ..checkpoint import Checkpoint, LoadResult, warn_skipped
 
     comm = Collective(process_group)
     error: BaseException | None = None
@@ -112,12 +111,7 @@ def load(
     finally:
         if ck is not None:
             ck.close()
-    if result.missing or result.unexpected:
-        warnings.warn(
-            f"strict=False: skipped {len(result.missing)} tensors missing from the checkpoint "
-            f"{result.missing} and {len(result.unexpected)} unexpected ones {result.unexpected}",
-            stacklevel=2,
-        )
+    warn_skipped(result)
     return result
 
 
