@@ -489,7 +489,7 @@ def test_adam_v4_fields_and_bits() -> None:
 
 
 def test_adam_doc_example() -> None:
-    """The 135-byte version 2 example of docs/TORCHLEAN_FILES.md."""
+    """The 135-byte version 2 example of docs/FORMAT.md, section 4."""
     data = bytes.fromhex(
         "544c4144414d46" + "0200000000000000" + "0000000000000000"
         + "cdccccccccccec3f" + "2b8716d9cef7ef3f" + "3a8c30e28e79453e" + "0000000000000000"
