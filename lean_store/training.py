@@ -59,14 +59,16 @@ def save_optimizer(
     backend: str | None = None,
     compression: Any = None,
     progress: Any = False,
+    process_group: Any = None,
 ) -> Layout:
     """Save an optimizer's state (moments, steps, hyperparameters, parameter names) and, with
     ``rng=True``, the global RNG states. Parameter names come from ``model`` when given, else
     from the optimizer's ``param_names``, else positions. An optimizer with no state yet
-    raises :class:`CheckpointError`."""
+    raises :class:`CheckpointError`. With ``process_group`` (or DTensor parameters) every
+    rank calls it and writes its own shards (see docs/SHARDING.md)."""
     return _save(path, "optimizer", model=None, names_model=model, optimizer=optimizer,
                  rng=rng, generators=generators, backend=backend, compression=compression,
-                 progress=progress)
+                 progress=progress, process_group=process_group)
 
 
 def save_training(
@@ -83,28 +85,74 @@ def save_training(
     backend: str | None = None,
     compression: Any = None,
     progress: Any = False,
+    process_group: Any = None,
 ) -> Layout:
     """Save one complete training checkpoint, committed atomically.
 
     ``data`` is the data position: a ``torch.Generator``, a ``numpy.random.Generator``, any
     object with ``state_dict()``/``load_state_dict()``, or a mapping (e.g. epoch and index).
     ``extra`` is any JSON-like tree. ``generators`` names further RNG objects to capture.
+    With ``process_group`` (or a DTensor model) every rank calls it: each writes its own
+    shards of parameters and moments and its own RNG states; rank 0 writes the metadata.
     """
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise CheckpointError(f"step must be a non-negative int or None, got {step!r}")
     return _save(path, "training", model=model, names_model=model, optimizer=optimizer,
                  scheduler=scheduler, step=step, rng=rng, data=data, extra=extra,
                  generators=generators, backend=backend, compression=compression,
-                 progress=progress)
+                 progress=progress, process_group=process_group)
 
 
 def _save(path: Any, kind: str, *, model: Any, names_model: Any, optimizer: Any,
           scheduler: Any = None, step: int | None = None, rng: bool = True, data: Any = None,
           extra: Any = None, generators: Mapping[str, Any] | None = None,
-          backend: str | None, compression: Any, progress: Any) -> Layout:
+          backend: str | None, compression: Any, progress: Any,
+          process_group: Any = None) -> Layout:
     from .sources import tensor_source
+
+    if _sharded(model, names_model, optimizer, process_group):
+        from .distributed.training import save_training as sharded_save
+
+        return sharded_save(path, kind, process_group=process_group, model=model,
+                            names_model=names_model, optimizer=optimizer, scheduler=scheduler,
+                            step=step, rng=rng, data=data, extra=extra, generators=generators,
+                            backend=backend, compression=compression)
+    tensors, meta = training_tensors(model=model, names_model=names_model, optimizer=optimizer,
+                                     scheduler=scheduler, step=step, data=data, extra=extra)
+    if rng or generators:
+        from .sources.rng import capture
+
+        meta["rng"] = capture(tensors, generators, global_state=bool(rng))
+    text = json.dumps(meta, separators=(",", ":"), allow_nan=False)
+    return write_source(
+        tensor_source(tensors), path, kind=kind, backend=backend, compression=compression,
+        progress=progress,
+        extra_root={VERSION_ATTR: TRAINING_FORMAT_VERSION, META_ATTR: text},
+    )
+
+
+def _sharded(model: Any, names_model: Any, optimizer: Any, process_group: Any) -> bool:
+    """True when a training save/load must go through :mod:`lean_store.distributed`: a process
+    group was given, or the model or optimizer holds DTensors / ``LocalShard`` values."""
+    if process_group is not None:
+        return True
+    from .distributed.local_state import holds_shards, is_dtensor
+
+    for m in (model, names_model):
+        if m is not None and holds_shards(m):
+            return True
+    if optimizer is not None:
+        groups = getattr(optimizer, "param_groups", None) or []
+        return any(is_dtensor(p) for g in groups for p in g.get("params", ()))
+    return False
+
+
+def training_tensors(*, model: Any, names_model: Any, optimizer: Any, scheduler: Any = None,
+                     step: int | None = None, data: Any = None, extra: Any = None
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every tensor of a training checkpoint but the RNG states, by name, and its metadata
+    (without ``rng``). Shared by the single-process and the sharded save."""
     from .sources.optimizer import class_name, describe, param_names
-    from .sources.rng import capture
     from .sources.torch_source import state_dict_of
 
     tensors: dict[str, Any] = {}
@@ -126,14 +174,7 @@ def _save(path: Any, kind: str, *, model: Any, names_model: Any, optimizer: Any,
         meta["data"] = _data_meta(data, tensors)
     if extra is not None:
         meta["extra"] = encode(extra, "extra", tensors)
-    if rng or generators:
-        meta["rng"] = capture(tensors, generators, global_state=bool(rng))
-    text = json.dumps(meta, separators=(",", ":"), allow_nan=False)
-    return write_source(
-        tensor_source(tensors), path, kind=kind, backend=backend, compression=compression,
-        progress=progress,
-        extra_root={VERSION_ATTR: TRAINING_FORMAT_VERSION, META_ATTR: text},
-    )
+    return tensors, meta
 
 
 def _data_kind(data: Any) -> str:
@@ -178,13 +219,15 @@ def load_optimizer(
     rng: bool = True,
     generators: Mapping[str, Any] | None = None,
     scheduled: Collection[str] = SCHEDULED,
+    process_group: Any = None,
 ) -> TrainingInfo:
     """Restore an optimizer (and, with ``rng=True``, the RNG states) from a file written by
     :func:`save_optimizer` or :func:`save_training`. Everything is validated first; on any
     mismatch a :class:`CheckpointError` is raised and nothing is changed. Group keys named in
     ``scheduled`` (the learning rate) are restored rather than compared."""
     return _load(path, model=None, names_model=model, optimizer=optimizer, rng=rng,
-                 generators=generators, scheduled=scheduled, stacklevel=3)
+                 generators=generators, scheduled=scheduled, stacklevel=3,
+                 process_group=process_group)
 
 
 def load_training(
@@ -197,12 +240,17 @@ def load_training(
     rng: bool = True,
     generators: Mapping[str, Any] | None = None,
     scheduled: Collection[str] = SCHEDULED,
+    process_group: Any = None,
 ) -> TrainingInfo:
     """Restore a training checkpoint in place: model, optimizer, scheduler, data position and
-    RNG states, all validated before any is changed. Returns a :class:`TrainingInfo`."""
+    RNG states, all validated before any is changed. Returns a :class:`TrainingInfo`.
+    With ``process_group`` (or a DTensor model) every rank calls it and reads only its own
+    regions, from a checkpoint saved by any number of ranks; all ranks validate and agree
+    before any installs. Each rank gets its own RNG states back when the world size is the
+    one that saved; otherwise RNG is skipped with a warning."""
     return _load(path, model=model, names_model=model, optimizer=optimizer,
                  scheduler=scheduler, data=data, rng=rng, generators=generators,
-                 scheduled=scheduled, stacklevel=3)
+                 scheduled=scheduled, stacklevel=3, process_group=process_group)
 
 
 def read_metadata(ck: Checkpoint) -> tuple[int, dict[str, Any], str]:
@@ -278,64 +326,143 @@ class _Reader:
 
 def _load(path: Any, *, model: Any, names_model: Any, optimizer: Any, rng: bool,
           generators: Mapping[str, Any] | None, scheduled: Collection[str], stacklevel: int,
-          scheduler: Any = None, data: Any = None) -> TrainingInfo:
-    from .sources.optimizer import param_names, prepare
+          scheduler: Any = None, data: Any = None, process_group: Any = None) -> TrainingInfo:
+    if _sharded(model, names_model, optimizer, process_group):
+        from .distributed.training import load_training as sharded_load
 
-    installs: list[Callable[[], None]] = []
+        return sharded_load(path, process_group=process_group, model=model,
+                            names_model=names_model, optimizer=optimizer, scheduler=scheduler,
+                            data=data, rng=rng, generators=generators, scheduled=scheduled,
+                            stacklevel=stacklevel + 1)
     with Checkpoint(path) as ck:
-        version, meta, prefix = read_metadata(ck)
-        reader = _Reader(ck)
-        accounted = {name for _, name in tensor_names(meta)}
-        accounted |= {n for n in ck.layout.names() if n.startswith(("model/", f"{prefix}state/"))}
-        extra = [n for n in ck.layout.names() if n not in accounted]
-        if extra:
-            raise IntegrityError(f"{ck.path}: tensors {extra[:8]} are not described by the "
-                                 "training metadata")
-        if model is not None:
-            installs.append(_prepare_model(ck, model))
-        if optimizer is not None:
-            if not meta.get("optimizer"):
-                raise CheckpointError(f"{ck.path} holds no optimizer state")
-            names = param_names(optimizer, names_model)
-            prepared = prepare(optimizer, names, meta["optimizer"], prefix, ck.layout,
-                               reader.tensor, reader.lookup, scheduled=scheduled)
-            installs.append(prepared.install)
-        if scheduler is not None:
-            installs.append(_prepare_scheduler(meta.get("scheduler"), scheduler, reader, ck.path))
-        data_state = None
-        if meta.get("data") is not None:
-            data_state, install = _prepare_data(meta["data"], data, reader, ck.path)
-            installs.append(install)
-        elif data is not None:
-            raise CheckpointError(f"{ck.path} holds no data position")
-        lost: list[str] = []
-        if meta.get("rng") is not None and (rng or generators):
-            install, lost = _prepare_rng(meta["rng"], reader, generators, rng)
-            installs.append(install)
-        elif generators:
-            raise CheckpointError(f"{ck.path} holds no generator states")
-        elif rng:
-            lost = ["RNG state" if version else f"RNG state (format version {version})"]
-        extra_value = decode(meta.get("extra"), reader.lookup, "extra")
-        step = meta.get("step")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-            raise IntegrityError(f"{ck.path}: malformed step {step!r}")
-        for install in installs:  # every check has passed: now change things
+        prepared = prepare_load(ck, model=model, names_model=names_model, optimizer=optimizer,
+                                rng=rng, generators=generators, scheduled=scheduled,
+                                scheduler=scheduler, data=data)
+        prepared.install()
+    warn_lost(path, prepared.lost, stacklevel)
+    return prepared.info
+
+
+@dataclass
+class PreparedLoad:
+    """A validated training checkpoint: ``install()`` changes things, nothing before it did."""
+
+    installs: list[Callable[[], None]]
+    lost: list[str]
+    info: TrainingInfo
+
+    def install(self) -> None:
+        for install in self.installs:
             install()
+
+
+def warn_lost(path: Any, lost: list[str], stacklevel: int) -> None:
     if lost:
         warnings.warn(
             f"{path}: restored without {', '.join(lost)}: the optimizer moments (and any model) "
             "are restored, but a stochastic continuation cannot be reproduced",
-            stacklevel=stacklevel,
+            stacklevel=stacklevel + 1,
         )
-    return TrainingInfo(step=step, extra=extra_value, data=data_state, format_version=version,
-                        rng_restored=rng and not lost, kind=ck.kind, path=str(path))
 
 
-def _prepare_rng(meta: Any, reader: _Reader, generators: Any, rng: bool) -> Any:
+def prepare_load(ck: Checkpoint, *, model: Any, names_model: Any, optimizer: Any, rng: bool,
+                 generators: Mapping[str, Any] | None, scheduled: Collection[str],
+                 scheduler: Any = None, data: Any = None, rank: int = 0, world: int = 1,
+                 prepare_model: Callable[[Checkpoint, Any], Callable[[], None]] | None = None,
+                 read_state: Callable[[str, Any], Any] | None = None) -> PreparedLoad:
+    """Validate everything a training checkpoint holds against the live objects and read what
+    is needed; nothing is changed until ``install()`` of the result. The sharded load passes
+    ``rank``/``world`` (whose RNG states to restore), ``prepare_model`` (reads this rank's
+    shards) and ``read_state`` (optimizer tensors as this rank's shards)."""
+    from .sources.optimizer import param_names, prepare
+
+    installs: list[Callable[[], None]] = []
+    version, meta, prefix = read_metadata(ck)
+    reader = _Reader(ck)
+    accounted = {name for _, name in tensor_names(meta)}
+    accounted |= {n for n in ck.layout.names() if n.startswith(("model/", f"{prefix}state/"))}
+    extra = [n for n in ck.layout.names() if n not in accounted]
+    if extra:
+        raise IntegrityError(f"{ck.path}: tensors {extra[:8]} are not described by the "
+                             "training metadata")
+    if model is not None:
+        installs.append((prepare_model or _prepare_model)(ck, model))
+    if optimizer is not None:
+        if not meta.get("optimizer"):
+            raise CheckpointError(f"{ck.path} holds no optimizer state")
+        names = param_names(optimizer, names_model)
+        prepared = prepare(optimizer, names, meta["optimizer"], prefix, ck.layout,
+                           read_state or reader.tensor, reader.lookup, scheduled=scheduled)
+        installs.append(prepared.install)
+    if scheduler is not None:
+        installs.append(_prepare_scheduler(meta.get("scheduler"), scheduler, reader, ck.path))
+    data_state = None
+    if meta.get("data") is not None:
+        data_state, install = _prepare_data(meta["data"], data, reader, ck.path)
+        installs.append(install)
+    elif data is not None:
+        raise CheckpointError(f"{ck.path} holds no data position")
+    lost: list[str] = []
+    if meta.get("rng") is not None and (rng or generators):
+        rng_meta, lookup, why = _rank_rng(meta["rng"], reader, rank, world)
+        if why is not None:
+            if generators:
+                raise CheckpointError(f"{ck.path}: cannot restore the generators: {why}")
+            lost.append(why)
+        else:
+            install, lost = _prepare_rng(rng_meta, lookup, generators, rng)
+            installs.append(install)
+    elif generators:
+        raise CheckpointError(f"{ck.path} holds no generator states")
+    elif rng:
+        lost = ["RNG state" if version else f"RNG state (format version {version})"]
+    extra_value = decode(meta.get("extra"), reader.lookup, "extra")
+    step = meta.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise IntegrityError(f"{ck.path}: malformed step {step!r}")
+    info = TrainingInfo(step=step, extra=extra_value, data=data_state, format_version=version,
+                        rng_restored=rng and not lost, kind=ck.kind, path=str(ck.path))
+    return PreparedLoad(installs, lost, info)
+
+
+def _rank_rng(meta: Any, reader: _Reader, rank: int, world: int
+              ) -> tuple[Any, Callable[[str, str], Any], str | None]:
+    """This rank's RNG metadata and a lookup for its tensors, or why it cannot be restored.
+
+    A sharded save stores one RNG record per rank (``{"ranks": [...]}``); each RNG tensor is
+    stacked along a leading rank axis, row ``r`` being rank ``r``'s. RNG states continue only
+    on the world size that saved them: after resharding they are skipped (with a warning)."""
+    if not (isinstance(meta, dict) and "ranks" in meta):
+        if world == 1:
+            return meta, reader.lookup, None
+        return None, reader.lookup, (f"RNG state (saved by one process, loading on {world} "
+                                     "ranks; RNG continuation cannot be reproduced)")
+    ranks = meta["ranks"]
+    if not isinstance(ranks, list) or not ranks:
+        raise IntegrityError(f"{reader.ck.path}: malformed per-rank RNG metadata")
+    if len(ranks) != world:
+        return None, reader.lookup, (
+            f"per-rank RNG state (saved by {len(ranks)} ranks, loading on {world}; after "
+            "resharding to another world size RNG continuation cannot be reproduced)")
+
+    def lookup(kind: str, name: str) -> Any:
+        entry = reader._entry(name)
+        if not entry.shape or entry.shape[0] != len(ranks):
+            raise IntegrityError(f"per-rank RNG tensor {name!r} of shape {entry.shape} is not "
+                                 f"stacked over {len(ranks)} ranks")
+        if kind == "tensor":
+            return reader.tensor(name)[rank].clone()
+        values = reader.lookup("array", name)[rank]
+        return values[()] if kind == "scalar" else values.copy()
+
+    return ranks[rank], lookup, None
+
+
+def _prepare_rng(meta: Any, lookup: Callable[[str, str], Any], generators: Any, rng: bool
+                 ) -> Any:
     from .sources.rng import prepare
 
-    return prepare(meta, reader.lookup, generators, global_state=rng)
+    return prepare(meta, lookup, generators, global_state=rng)
 
 
 def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
@@ -411,6 +538,7 @@ def _prepare_data(meta: Any, data: Any, reader: _Reader, where: Any) -> tuple[An
 
 
 __all__ = [
-    "TRAINING_FORMAT_VERSION", "TrainingInfo", "load_optimizer", "load_training",
-    "read_metadata", "save_optimizer", "save_training",
+    "TRAINING_FORMAT_VERSION", "PreparedLoad", "TrainingInfo", "load_optimizer",
+    "load_training", "prepare_load", "read_metadata", "save_optimizer", "save_training",
+    "training_tensors",
 ]

@@ -263,13 +263,14 @@ def scenario_die(rank: int, world: int, out: Path) -> dict:
 SCENARIOS = {"save4": scenario_save4, "load2": scenario_load2, "die": scenario_die}
 
 
-def worker(scenario: str, rank: int, world: int, port: int, out: Path) -> None:
+def worker(scenario: str, rank: int, world: int, port: int, out: Path,
+           scenarios: dict | None = None) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
     try:
-        rec = SCENARIOS[scenario](rank, world, out)
+        rec = (scenarios or SCENARIOS)[scenario](rank, world, out)
         (out / f"{scenario}-{rank}.json").write_text(json.dumps(rec))
     finally:
         dist.destroy_process_group()
@@ -284,12 +285,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(scenario: str, world: int, out: Path, expect_rc: dict | None = None) -> list[dict]:
+def run_world(scenario: str, world: int, out: Path, expect_rc: dict | None = None,
+              script: Path = HERE) -> list[dict]:
+    """Run ``script SCENARIO RANK WORLD PORT OUT`` as ``world`` ranks; their records."""
     port = free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
            "MASTER_ADDR": "127.0.0.1"}
     procs = [
-        subprocess.Popen([PY, str(HERE), scenario, str(r), str(world), str(port), str(out)],
+        subprocess.Popen([PY, str(script), scenario, str(r), str(world), str(port), str(out)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         for r in range(world)
     ]

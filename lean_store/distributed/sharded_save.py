@@ -59,8 +59,10 @@ def save(
     chunk_bytes: int | None = None,
     compression: Any = None,
     kind: str = "state",
+    extra_root: dict[str, Any] | None = None,
 ) -> Layout:
-    """Save sharded state from every rank of ``process_group`` (all ranks must call this)."""
+    """Save sharded state from every rank of ``process_group`` (all ranks must call this).
+    ``extra_root``: further root attributes, written by rank 0 (the same on every rank)."""
     comm = Collective(process_group)
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
 
@@ -126,7 +128,7 @@ def save(
                 records = [shard_records(p, d) for p, d in zip(plans, merged)]
                 meta = json.dumps({"version": SHARDED_VERSION, "world_size": comm.size,
                                    "id": uuid.uuid4().hex}, separators=(",", ":"))
-                attrs = root_attrs(layout, kind, {"sharded": meta})
+                attrs = root_attrs(layout, kind, {**(extra_root or {}), "sharded": meta})
                 if backend == "zarr":
                     zarr_sharded.finish(work, plans, records, attrs)
                 else:

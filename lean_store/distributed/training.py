@@ -1,0 +1,225 @@
+"""Sharded training checkpoints: ``ls.save_training`` / ``ls.load_training`` (and the optimizer
+variants) with DTensor models, across the ranks of a process group.
+
+Saving: every rank builds the same tensors and metadata as the single-process save
+(:func:`lean_store.training.training_tensors`): parameters and moments stay DTensors, so each
+rank writes only its own shards; numbers, hyperparameter tensors and scheduler state are
+replicated and written once. Every rank's RNG states are stored too: each RNG tensor is stacked
+over a leading rank axis (rank ``r`` writes row ``r``) and the metadata keeps one RNG record per
+rank (``rng.ranks``). The metadata without RNG must be identical on every rank; rank 0 writes it.
+
+Loading: every rank runs the single-process validation
+(:func:`lean_store.training.prepare_load`) with hooks that read only this rank's regions
+(model tensors and moments, resharded to the live placements), then the ranks agree; every
+stored shard's digest is checked once across the ranks, they agree again, and only then does
+any rank install anything. A rank gets its own RNG states back when the world size matches the
+saving one; otherwise RNG is skipped with a warning on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from ..chunking import DEFAULT_CHUNK_BYTES
+from ..errors import CheckpointError
+from ..layout import Layout
+from .collective import Collective
+from .local_state import LocalShard, Piece, is_dtensor, layout_of, local_pieces
+from .shard_spec import Box
+from .sharded_load import _install, _stored_boxes, _verify, _verify_units
+from .sharded_save import _agree
+from .sharded_save import save as sharded_save
+
+
+def _stack(value: Any, rank: int, world: int) -> LocalShard:
+    """This rank's row of a tensor stacked over a leading rank axis."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        row = value.detach().reshape((1, *value.shape))
+    else:
+        row = np.asarray(value).reshape((1, *np.shape(value)))
+    shape = tuple(int(d) for d in row.shape[1:])
+    return LocalShard(row, (world, *shape), (rank,) + (0,) * len(shape))
+
+
+def _first_difference(a: Any, b: Any, where: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if key not in a or key not in b or a[key] != b[key]:
+                return _first_difference(a.get(key), b.get(key), f"{where}/{key}")
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(x, y, f"{where}/{i}")
+    return where or "/"
+
+
+def save_training(
+    path: Any, kind: str, *, process_group: Any, model: Any, names_model: Any, optimizer: Any,
+    scheduler: Any = None, step: int | None = None, rng: bool = True, data: Any = None,
+    extra: Any = None, generators: Mapping[str, Any] | None = None, backend: str | None = None,
+    compression: Any = None,
+) -> Layout:
+    """Every rank of ``process_group`` calls this; see the module docstring."""
+    from ..sources.rng import capture
+    from ..training import META_ATTR, TRAINING_FORMAT_VERSION, VERSION_ATTR, training_tensors
+
+    comm = Collective(process_group)
+    error: BaseException | None = None
+    tensors: dict[str, Any] = {}
+    report: dict[str, Any] | None = None
+    try:
+        tensors, meta = training_tensors(
+            model=model, names_model=names_model, optimizer=optimizer, scheduler=scheduler,
+            step=step, data=data, extra=extra)
+        rng_meta = None
+        if rng or generators:
+            local_rng: dict[str, Any] = {}
+            rng_meta = capture(local_rng, generators, global_state=bool(rng))
+            clash = sorted(set(local_rng) & set(tensors))
+            if clash:
+                raise CheckpointError(f"tensor names {clash[:4]} are used twice")
+            tensors.update({n: _stack(v, comm.rank, comm.size) for n, v in local_rng.items()})
+        report = {"meta": meta, "rng": rng_meta}
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+        error = exc
+    reports = _agree(comm, error, report)
+
+    error = None
+    text = ""
+    try:
+        first = reports[0]["meta"]
+        differ = [r for r, rep in enumerate(reports) if rep["meta"] != first]
+        if differ:
+            where = _first_difference(first, reports[differ[0]]["meta"])
+            raise CheckpointError(
+                f"ranks {differ[:8]} hold other training metadata than rank 0 (first difference "
+                f"at {where}): step, hyperparameters, scheduler, data position and extras must "
+                "be the same on every rank of a sharded training checkpoint"
+            )
+        full = dict(first)
+        if reports[0]["rng"] is not None:
+            full["rng"] = {"ranks": [rep["rng"] for rep in reports]}
+        text = json.dumps(full, separators=(",", ":"), allow_nan=False)
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    _agree(comm, error)
+    return sharded_save(
+        tensors, path, process_group=process_group, backend=backend, compression=compression,
+        kind=kind, extra_root={VERSION_ATTR: TRAINING_FORMAT_VERSION, META_ATTR: text},
+    )
+
+
+class _ShardedReads:
+    """The hooks that make :func:`lean_store.training.prepare_load` read this rank's shards."""
+
+    def __init__(self, ck: Any, optimizer: Any, names: list[str], block_bytes: int) -> None:
+        self.ck = ck
+        self.block_bytes = block_bytes
+        self.params: dict[str, Any] = {}
+        self.optimizer = optimizer
+        if optimizer is not None:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            for name, param in zip(names, params):
+                self.params[f"optimizer/state/{name}"] = param
+                self.params[f"state/{name}"] = param  # format version 0
+
+    def prepare_model(self, ck: Any, model: Any) -> Callable[[], None]:
+        """Check the model's global layout against the file; install reads this rank's
+        regions of every model tensor straight into its local shards."""
+        from ..sources.torch_source import state_dict_of
+
+        pieces = local_pieces({f"model/{n}": v for n, v in state_dict_of(model).items()})
+        stored = [e for e in ck.layout if e.name.startswith("model/")]
+        actual = Layout.from_specs([(e.name, e.shape, e.format) for e in stored])
+        actual.check(layout_of(pieces))
+
+        def install() -> None:
+            for piece in pieces:
+                _install(ck, piece, _stored_boxes(ck, piece.name), self.block_bytes)
+
+        return install
+
+    def read_state(self, name: str, device: Any) -> Any:
+        """An optimizer state tensor: a DTensor with its parameter's (or live moment's)
+        placement, holding only this rank's region; anything else is read whole."""
+        from ..sources.torch_source import dtype_of_format
+        from ..training import _Reader
+
+        base, key = name.rsplit("/", 1)
+        param = self.params.get(base)
+        live = self.optimizer.state.get(param, {}).get(key) if param is not None else None
+        like = live if is_dtensor(live) else param if is_dtensor(param) else None
+        entry = self.ck.layout[name]
+        if like is None or tuple(like.shape) != entry.shape:
+            return _Reader(self.ck).tensor(name, device)  # e.g. a replicated step count
+        import torch
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local_shape, offsets = compute_local_shape_and_global_offset(
+            like.shape, like.device_mesh, like.placements)
+        local = torch.empty(tuple(local_shape), dtype=dtype_of_format(entry.format),
+                            device=like.to_local().device)
+        box = Box.of(offsets, local_shape) if entry.shape else Box((0,), (1,))
+        piece = Piece(name, entry.shape, entry.format, box, local, True)
+        _install(self.ck, piece, _stored_boxes(self.ck, name), self.block_bytes)
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+
+
+def load_training(
+    path: Any, *, process_group: Any, model: Any, names_model: Any, optimizer: Any,
+    scheduler: Any = None, data: Any = None, rng: bool = True,
+    generators: Mapping[str, Any] | None = None, scheduled: Collection[str] = (),
+    stacklevel: int = 2, verify: bool = True, block_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Any:
+    """Every rank of ``process_group`` calls this; see the module docstring."""
+    from ..checkpoint import Checkpoint
+    from ..sources.optimizer import param_names
+    from ..training import prepare_load, warn_lost
+
+    comm = Collective(process_group)
+    ck = None
+    prepared = None
+    error: BaseException | None = None
+    try:
+        try:
+            ck = Checkpoint(path)
+            names = param_names(optimizer, names_model) if optimizer is not None else []
+            hooks = _ShardedReads(ck, optimizer, names, block_bytes)
+            prepared = prepare_load(
+                ck, model=model, names_model=names_model, optimizer=optimizer, rng=rng,
+                generators=generators, scheduled=scheduled, scheduler=scheduler, data=data,
+                rank=comm.rank, world=comm.size, prepare_model=hooks.prepare_model,
+                read_state=hooks.read_state)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+            error = exc
+        _agree(comm, error)
+        assert ck is not None and prepared is not None
+        if verify:  # every stored shard's digest, each checked by one rank
+            error = None
+            try:
+                for name, k in _verify_units(ck, ck.layout.names())[comm.rank :: comm.size]:
+                    _verify(ck, name, k)
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+            _agree(comm, error)
+        error = None
+        try:
+            prepared.install()
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        _agree(comm, error)
+    finally:
+        if ck is not None:
+            ck.close()
+    warn_lost(path, prepared.lost, stacklevel)
+    return prepared.info
+
+
+__all__ = ["load_training", "save_training"]
