@@ -118,6 +118,7 @@ def save_async(
     progress: Any = None,
     buffer_bytes: int | None = None,
     snapshot: str = "auto",
+    checksum: str | None = None,
 ) -> SaveHandle:
     """Snapshot ``obj`` and save it in a background thread; returns a :class:`SaveHandle`.
 
@@ -144,6 +145,7 @@ def save_async(
         return write_source(
             frozen, path, kind=kind, backend=backend, chunk_bytes=chunk_bytes,
             compression=compression, progress=progress, buffer_bytes=buffer_bytes,
+            checksum=checksum,
         )
 
     return SaveHandle(path, run)

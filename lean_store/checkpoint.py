@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import crc32c as _crc32c
 import numpy as np
 
+from .chunk_crc import crc32c_combine, crc32c_of
 from .chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, iter_regions, plan_chunks
 from .encoded import Encoded
 from .errors import CheckpointError, FormatError, IntegrityError
@@ -67,7 +67,8 @@ def detect_backend(path: str | os.PathLike) -> str:
 
 
 def open_writer(
-    path: str | os.PathLike, backend: str, *, chunk_bytes: int | None, compression: Any
+    path: str | os.PathLike, backend: str, *, chunk_bytes: int | None, compression: Any,
+    checksum: str | None = None,
 ) -> StoreWriter:
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
     if chunk_bytes < MIN_CHUNK_BYTES:
@@ -78,7 +79,10 @@ def open_writer(
     if backend == "hdf5":
         from .stores.hdf5 import HDF5Writer
 
-        return HDF5Writer(path, chunk_bytes=chunk_bytes, compression=compression)
+        return HDF5Writer(path, chunk_bytes=chunk_bytes, compression=compression,
+                          checksum=checksum)
+    if checksum not in (None, "crc32c"):
+        raise CheckpointError(f"Zarr checksums are crc32c (its native codec), not {checksum!r}")
     from .stores.zarr_store import ZarrWriter
 
     return ZarrWriter(path, chunk_bytes=chunk_bytes, compression=compression)
@@ -107,7 +111,7 @@ def stored_rank_shape(entry: Entry) -> tuple[int, ...]:
 
 
 def crc32c_update(crc: int, bits: np.ndarray) -> int:
-    return _crc32c.crc32c(np.ascontiguousarray(bits).view(np.uint8).reshape(-1), crc)
+    return crc32c_of(bits, crc)
 
 
 # ----------------------------------------------------------------------------------- saving
@@ -124,17 +128,21 @@ def write_source(
     progress: Any = False,
     extra_root: dict[str, Any] | None = None,
     buffer_bytes: int | None = None,
+    checksum: str | None = None,
 ) -> Layout:
     """Stream every tensor of ``source`` into a new checkpoint, committed atomically.
 
     One write unit at a time: host tensors as zero-copy views, device tensors through the
     pooled host buffers of :func:`lean_store.stream.staged` (at most ``buffer_bytes``, default
     64 MiB, or one write unit if that is larger), copied ahead while the store writes.
+    ``checksum`` (HDF5): ``"crc32c"`` (default, a per-chunk table) or ``"fletcher32+crc32c"``
+    (also HDF5's native fletcher32 filter, slower; see docs/PERFORMANCE.md).
     """
     layout = source.layout
     check_names(layout.names())
     backend = backend_for(path, backend)
-    writer = open_writer(path, backend, chunk_bytes=chunk_bytes, compression=compression)
+    writer = open_writer(path, backend, chunk_bytes=chunk_bytes, compression=compression,
+                         checksum=checksum)
     storage = "hdf5" if backend == "hdf5" else "zarr"
 
     def units() -> Iterator[tuple[Any, Any, Any]]:
@@ -151,8 +159,9 @@ def write_source(
                 sink.close({"crc32c": crc})
                 crc = 0
                 continue
-            crc = crc32c_update(crc, bits)
-            sink.write(region, bits)
+            unit_crc = crc32c_of(bits)  # one pass: the unit's CRC, combined into the digest
+            crc = crc32c_combine(crc, unit_crc, bits.nbytes)
+            sink.write(region, bits, unit_crc)
             bar.advance(bits.nbytes)
         writer.commit(root_attrs(layout, kind, extra_root))
     return layout
@@ -180,6 +189,7 @@ def save(
     buffer_bytes: int | None = None,
     snapshot: str = "auto",
     process_group: Any = None,
+    checksum: str | None = None,
 ) -> Any:
     """Save a torch module, a state dict, or a mapping of arrays/``Encoded`` to HDF5 or Zarr.
 
@@ -192,6 +202,9 @@ def save(
     :mod:`lean_store.async_save` for ``snapshot``) and returns a ``SaveHandle`` at once.
     With ``process_group`` (or DTensors / ``LocalShard`` values in the state) every rank
     calls ``save`` and writes only its own shards: see :mod:`lean_store.distributed`.
+    ``checksum`` (HDF5 only): ``"crc32c"`` (default: a CRC-32C per chunk in the attribute
+    ``chunk_crc32c``) or ``"fletcher32+crc32c"`` (adds HDF5's fletcher32 filter, which h5py
+    and h5dump verify natively, at a cost in throughput).
     """
     from .distributed import wants_sharded
 
@@ -205,7 +218,7 @@ def save(
 
         return save_async(
             obj, path, backend=backend, chunk_bytes=chunk_bytes, compression=compression,
-            progress=progress, buffer_bytes=buffer_bytes, snapshot=snapshot,
+            progress=progress, buffer_bytes=buffer_bytes, snapshot=snapshot, checksum=checksum,
         )
     source = tensor_source(obj)
     if len(source.layout) == 0:
@@ -213,7 +226,7 @@ def save(
     kind = "module" if callable(getattr(obj, "state_dict", None)) else "state"
     return write_source(
         source, path, kind=kind, backend=backend, chunk_bytes=chunk_bytes,
-        compression=compression, progress=progress, buffer_bytes=buffer_bytes,
+        compression=compression, progress=progress, buffer_bytes=buffer_bytes, checksum=checksum,
     )
 
 

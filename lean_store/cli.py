@@ -91,7 +91,9 @@ def _disk_bytes(ck: Any, handle: Any) -> int | None:
 
 
 _CODEC_NAMES = {"ZstdCodec": "zstd", "GzipCodec": "gzip", "BloscCodec": "blosc"}
-_CHECKSUMS = ("fletcher32", "BytesCodec", "Crc32cCodec", "TransposeCodec", "ShardingCodec")
+_CHECKSUMS = (
+    "fletcher32", "crc32c", "BytesCodec", "Crc32cCodec", "TransposeCodec", "ShardingCodec",
+)
 
 
 def _compression(ck: Any, handle: Any) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .chunk_crc import CHUNK_CRC_ATTR
 from .errors import IntegrityError, UnsafeFileError
 
 MAX_CHUNK_BYTES = 1 << 30  # one chunk (HDF5) or inner chunk (Zarr), decoded
@@ -88,7 +89,10 @@ def read_hdf5_attrs(obj: Any, where: str) -> dict[str, Any]:
         if count * max(1, dtype.itemsize) > MAX_ATTR_BYTES or (is_str and count > 1):
             raise UnsafeFileError(f"{where}: attribute {name!r} claims {count} values; too large")
         try:
-            value = from_hdf5_attr(obj.attrs[name])
+            raw = obj.attrs[name]  # the per-chunk crc table stays an array (not a tuple)
+            value = raw if name == CHUNK_CRC_ATTR and isinstance(raw, np.ndarray) else (
+                from_hdf5_attr(raw)
+            )
         except (OSError, RuntimeError, ValueError, TypeError, KeyError, UnicodeError) as exc:
             raise IntegrityError(f"{where}: unreadable attribute {name!r} ({exc})") from None
         if isinstance(value, str) and len(value) > MAX_ATTR_BYTES:

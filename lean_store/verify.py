@@ -1,8 +1,8 @@
 """``verify(path)``: check every chunk checksum and every tensor digest, and say exactly which
 tensor and which chunk is bad.
 
-Each chunk is read on its own, so the backend's per-chunk checksum (HDF5 fletcher32, Zarr
-crc32c) fails for that chunk alone; the whole-tensor crc32c digest is then checked over the
+Each chunk is read on its own, so the per-chunk checksum (HDF5: the ``chunk_crc32c`` table,
+and fletcher32 where the file has it; Zarr: the crc32c codec) fails for that chunk alone; the whole-tensor crc32c digest is then checked over the
 chunks in C order. Structure is checked too: every chunk present, no HDF5 filter skipped for a
 chunk, no empty slot in a Zarr shard index, a checksum configured on every tensor.
 """
@@ -241,8 +241,8 @@ def _structure_problems(reader: Any, info: Any) -> list[tuple[tuple[int, ...] | 
 
 def _hdf5_structure(reader: Any, info: Any) -> list[tuple[tuple[int, ...] | None, str]]:
     problems: list[tuple[tuple[int, ...] | None, str]] = []
-    if "fletcher32" not in info.filters:
-        problems.append((None, "no per-chunk checksum (fletcher32 filter missing)"))
+    if "crc32c" not in info.filters and "fletcher32" not in info.filters:
+        problems.append((None, "no per-chunk checksum (no chunk_crc32c table, no fletcher32)"))
     ds = reader._dataset(info.node)
     chunks = info.chunk_shape
     try:

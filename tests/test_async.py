@@ -22,10 +22,10 @@ def _gate_writes(monkeypatch, writer_cls) -> tuple[threading.Event, threading.Ev
     started, release = threading.Event(), threading.Event()
     original = writer_cls.write
 
-    def write(self, region, bits):
+    def write(self, region, bits, crc=None):
         started.set()
         assert release.wait(30), "test never released the writer"
-        return original(self, region, bits)
+        return original(self, region, bits, crc)
 
     monkeypatch.setattr(writer_cls, "write", write)
     return started, release
@@ -69,9 +69,13 @@ def test_without_snapshot_the_file_sees_mutations(tmp_path, monkeypatch) -> None
     state["w"] += 1
     release.set()
     handle.wait(60)
-    with ls.open(tmp_path / "ck.h5") as ck:
-        assert (ck["w"][:] == 1).all()  # the mutation reached the file...
-    with pytest.raises(IntegrityError):  # ...after its digest was taken: a torn save is caught
+    import h5py
+
+    with h5py.File(tmp_path / "ck.h5", "r") as f:
+        assert (f["w"][:] == 1).all()  # the mutation reached the file...
+    with ls.open(tmp_path / "ck.h5") as ck, pytest.raises(IntegrityError, match="chunk_crc32c"):
+        ck["w"][:]  # ...after its chunk's crc32c was taken: even a partial read catches it
+    with pytest.raises(IntegrityError):  # and so does the digest
         ls.load_state(tmp_path / "ck.h5")
 
 
@@ -88,7 +92,7 @@ def test_snapshot_modes_copy_numpy_and_torch(tmp_path, snapshot) -> None:
 
 
 def test_writer_failure_surfaces_on_wait(tmp_path, monkeypatch) -> None:
-    def broken(self, region, bits):
+    def broken(self, region, bits, crc=None):
         raise OSError("disk full")
 
     monkeypatch.setattr(HDF5TensorWriter, "write", broken)

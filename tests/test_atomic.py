@@ -46,11 +46,11 @@ def test_failed_overwrite_keeps_previous_checkpoint(tmp_path, backend, monkeypat
     calls = {"n": 0}
     real = cls.write
 
-    def failing(self, region, bits):
+    def failing(self, region, bits, crc=None):
         calls["n"] += 1
         if calls["n"] > 1:
             raise RuntimeError("disk on fire")
-        return real(self, region, bits)
+        return real(self, region, bits, crc)
 
     monkeypatch.setattr(cls, "write", failing)
     with pytest.raises(RuntimeError, match="disk on fire"):

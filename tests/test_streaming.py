@@ -279,14 +279,15 @@ def test_peak_memory_of_a_large_cpu_save_is_bounded(tmp_path) -> None:
         assert nbytes < 0.25 * state_bytes, f"{suffix}: {nbytes / 2**20:.0f} MiB extra"
 
 
-def test_hdf5_whole_chunk_reads_verify_fletcher32(tmp_path) -> None:
+@pytest.mark.parametrize("checksum", ["crc32c", "fletcher32+crc32c"])
+def test_hdf5_whole_chunk_reads_verify_checksums(tmp_path, checksum) -> None:
     import h5py
 
     from lean_store.errors import IntegrityError
 
     a = np.arange(5000, dtype=np.float32).reshape(50, 100)
     path = tmp_path / "ck.h5"
-    ls.save({"w": a}, path, chunk_bytes=4096)  # chunks of 10 rows
+    ls.save({"w": a}, path, chunk_bytes=4096, checksum=checksum)  # chunks of 10 rows
     with ls.open(path) as ck:
         np.testing.assert_array_equal(ck["w"][40:50], a[40:50])  # a whole chunk, fast path
         np.testing.assert_array_equal(ck["w"].read(), a)
@@ -299,5 +300,5 @@ def test_hdf5_whole_chunk_reads_verify_fletcher32(tmp_path) -> None:
         f.write(bytes([byte[0] ^ 1]))
     with ls.open(path) as ck:
         np.testing.assert_array_equal(ck["w"][0:10], a[0:10])
-        with pytest.raises(IntegrityError, match="checksum|fletcher|HDF5"):
+        with pytest.raises(IntegrityError, match="chunk_crc32c|checksum|fletcher|HDF5"):
             ck["w"][20:30]

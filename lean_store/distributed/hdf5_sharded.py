@@ -46,9 +46,11 @@ def source_name(index: int, k: int) -> str:
 
 def open_rank_writer(work: str, rank: int, world: int, chunk_bytes: int, compression: Any
                      ) -> HDF5Writer:
-    """This rank's shard file (itself written to a temporary name and renamed when done)."""
+    """This rank's shard file (itself written to a temporary name and renamed when done).
+    Shard files keep HDF5's fletcher32 filter besides the chunk_crc32c table: whole tensors
+    are read through the master's virtual datasets, where only HDF5's own filter is checked."""
     return HDF5Writer(Path(work) / shard_file_name(rank, world), chunk_bytes=chunk_bytes,
-                      compression=compression)
+                      compression=compression, checksum="fletcher32+crc32c")
 
 
 def shard_entry(plan: TensorPlan, k: int, box: Box) -> Entry:

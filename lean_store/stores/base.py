@@ -78,8 +78,9 @@ class TensorWriter(ABC):
     write_unit: tuple[int, ...]
 
     @abstractmethod
-    def write(self, region: Region, bits: np.ndarray) -> None:
-        """Write raw words for ``region`` of the stored shape (complex: trailing axis 2)."""
+    def write(self, region: Region, bits: np.ndarray, crc: int | None = None) -> None:
+        """Write raw words for ``region`` of the stored shape (complex: trailing axis 2).
+        ``crc``: the CRC-32C of ``bits`` when the caller already has it (saves a pass)."""
 
     @abstractmethod
     def close(self, attrs: dict[str, Any]) -> None:

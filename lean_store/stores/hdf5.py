@@ -1,14 +1,21 @@
-"""HDF5 backend (h5py): one chunked dataset per tensor, exact bits, fletcher32 per chunk.
+"""HDF5 backend (h5py): one chunked dataset per tensor, exact bits, CRC-32C per chunk.
 
 Writes and reads go through h5py's low-level API with the memory type equal to the file type,
 so HDF5 never converts a value: the bits in memory are the bits on disk.
+
+Per-chunk checksums are a table of CRC-32C values in the dataset attribute ``chunk_crc32c``
+(see :mod:`lean_store.chunk_crc`), verified on every chunk read, whole or partial.
+``checksum="fletcher32+crc32c"`` also adds HDF5's native fletcher32 filter, so that h5py and
+h5dump verify chunks on their own (at a cost: see docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import h5py
@@ -16,6 +23,15 @@ import numpy as np
 from h5py import h5d, h5p, h5s, h5z
 from numcodecs.fletcher32 import Fletcher32
 
+from ..chunk_crc import (
+    CHECKSUMS,
+    CHUNK_CRC_ATTR,
+    chunk_number,
+    crc32c_of,
+    grid_shape,
+    parse_table,
+    table_size,
+)
 from ..chunking import Region, plan_chunks, region_shape
 from ..errors import CheckpointError, IntegrityError, UnsafeFileError
 from ..formats import ScalarFormat
@@ -54,6 +70,8 @@ def to_hdf5_attr(value: Any) -> Any:
         return value
     if isinstance(value, tuple):
         return np.asarray(value, dtype=np.int64).reshape(-1)
+    if isinstance(value, np.ndarray):
+        return value
     text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
     data = text.encode("utf-8")
     return np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data))))
@@ -101,6 +119,8 @@ class HDF5TensorWriter(TensorWriter):
         # verifies it on every read like any chunk it filtered itself.
         self._direct = direct
         self._chunk_nbytes = math.prod(chunks) * self._itemsize
+        self._grid = grid_shape(self._stored_shape, chunks)
+        self._crcs = np.zeros(math.prod(self._grid), np.uint32)  # the chunk_crc32c table
 
     def _write_chunk(self, region: Region, bits: np.ndarray) -> None:
         data = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
@@ -113,7 +133,11 @@ class HDF5TensorWriter(TensorWriter):
             tuple(s.start for s in region), _FLETCHER32.encode(data), 0
         )
 
-    def write(self, region: Region, bits: np.ndarray) -> None:
+    def write(self, region: Region, bits: np.ndarray, crc: int | None = None) -> None:
+        """Write one chunk (``region`` is a whole chunk clipped to the dataset) and record
+        its CRC-32C in the table."""
+        coords = tuple(s.start // c for s, c in zip(region, self.chunk_shape))
+        self._crcs[chunk_number(coords, self._grid)] = crc32c_of(bits) if crc is None else crc
         if self._direct:
             return self._write_chunk(region, bits)
         shape = region_shape(region)
@@ -124,15 +148,22 @@ class HDF5TensorWriter(TensorWriter):
 
     def close(self, attrs: dict[str, Any]) -> None:
         ds = h5py.Dataset(self._dset)
-        for key, value in attrs.items():
+        for key, value in {**attrs, CHUNK_CRC_ATTR: self._crcs}.items():
             ds.attrs[key] = to_hdf5_attr(value)
 
 
 class HDF5Writer(StoreWriter):
     backend = "hdf5"
 
-    def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None):
+    def __init__(
+        self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None,
+        checksum: str | None = None,
+    ):
+        checksum = CHECKSUMS[0] if checksum is None else checksum
+        if checksum not in CHECKSUMS:
+            raise CheckpointError(f"unknown HDF5 checksum {checksum!r}; use one of {CHECKSUMS}")
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
+        self._fletcher32 = checksum == "fletcher32+crc32c"
         self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, track_order=True)
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
@@ -149,7 +180,8 @@ class HDF5Writer(StoreWriter):
         if needs_nbit(fmt):
             dcpl.set_filter(h5z.FILTER_NBIT, 0, ())
         _compression_filters(dcpl, self.compression)
-        dcpl.set_fletcher32()
+        if self._fletcher32:
+            dcpl.set_fletcher32()
         space = h5s.create_simple(stored)
         dset = h5d.create(self._file.id, node_name(entry.name).encode(), ftype, space, dcpl=dcpl)
         ds = h5py.Dataset(dset)
@@ -188,6 +220,7 @@ class HDF5Reader(StoreReader):
             raise
         self._types: dict[str, Any] = {}
         self._direct_chunks: dict[str, tuple] = {}  # node -> (chunks, shape), or () for H5Dread
+        self._tables: dict[str, np.ndarray | None] = {}  # node -> chunk_crc32c table
 
     def nodes(self) -> list[str]:
         try:
@@ -245,6 +278,11 @@ class HDF5Reader(StoreReader):
             filters.append(_FILTER_NAMES.get(code, str(code)))
         attrs = read_hdf5_attrs(ds, repr(node))
         check_hdf5_present(ds, node, filters)
+        table = attrs.get(CHUNK_CRC_ATTR)
+        if table is not None:
+            chunks = tuple(ds.chunks or ds.shape)
+            self._tables[node] = parse_table(table, table_size(tuple(ds.shape), chunks), repr(node))
+            filters.append("crc32c")
         ftype = ds.id.get_type()
         self._types[node] = ftype
         return StoredTensor(
@@ -263,24 +301,69 @@ class HDF5Reader(StoreReader):
         ftype = self._types.get(node) or self._dataset(node).id.get_type()
         return bool(ftype == hdf5_type(fmt))
 
-    def read(self, node: str, selection: Selection, fmt: ScalarFormat) -> np.ndarray:
+    def read(
+        self, node: str, selection: Selection, fmt: ScalarFormat, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Raw words of ``selection``, into ``out`` when given (a C-contiguous array of the
+        selection's shape and the format's storage dtype). With a ``chunk_crc32c`` table, every
+        chunk the selection touches is read whole and checked against it first."""
         ds = self._dataset(node)
         ftype = self._types.get(node) or ds.id.get_type()
-        count = selection.count
-        words = fmt.words_per_value
-        out = np.empty(count + ((2,) if words == 2 else ()), dtype=fmt.storage_dtype)
+        shape = selection.count + ((2,) if fmt.words_per_value == 2 else ())
+        if out is None or not out.flags.c_contiguous:
+            out = np.empty(shape, dtype=fmt.storage_dtype)
         if out.size == 0:
             return out
-        if self._read_chunk(node, ds, selection, out):
-            return out
-        fspace = ds.id.get_space()
-        fspace.select_hyperslab(selection.start, count, selection.step)
-        buf = out.view(np.uint8).reshape(-1).view(f"V{ftype.get_size()}").reshape(count)
-        try:
-            ds.id.read(h5s.create_simple(count), fspace, buf, mtype=ftype)
-        except (OSError, RuntimeError, ValueError) as exc:
-            raise IntegrityError(f"tensor {node!r}: HDF5 read failed ({exc})") from None
+        table = self._table(node, ds)
+        if table is not None:
+            self._read_checked(node, ds, ftype, selection, out, table)
+        elif not self._read_chunk(node, ds, selection, out):
+            _h5read(node, ds, ftype, selection, out)
         return out
+
+    def _table(self, node: str, ds: h5py.Dataset) -> np.ndarray | None:
+        if node not in self._tables:
+            attrs = read_hdf5_attrs(ds, repr(node))
+            value = attrs.get(CHUNK_CRC_ATTR)
+            self._tables[node] = None if value is None else parse_table(
+                value, table_size(tuple(ds.shape), tuple(ds.chunks or ds.shape)), repr(node)
+            )
+        return self._tables[node]
+
+    def _read_checked(
+        self, node: str, ds: h5py.Dataset, ftype: Any, selection: Selection, out: np.ndarray,
+        table: np.ndarray,
+    ) -> None:
+        """Read each touched chunk whole (HDF5 reads whole chunks anyway), check its CRC-32C,
+        then cut the selection out of it. A selection that is one whole chunk goes straight
+        into ``out``."""
+        shape, chunks = tuple(ds.shape), tuple(ds.chunks)
+        grid = grid_shape(shape, chunks)
+        pair = out.shape[len(shape):]
+        for coords in _touched_chunks(selection, chunks):
+            start = tuple(i * c for i, c in zip(coords, chunks))
+            count = tuple(min(c, d - a) for a, c, d in zip(start, chunks, shape))
+            whole = Selection(start, count, (1,) * len(shape))
+            target = out if whole == selection else np.empty(count + pair, out.dtype)
+            if not self._read_chunk(node, ds, whole, target):
+                _h5read(node, ds, ftype, whole, target)
+            crc, expected = crc32c_of(target), int(table[chunk_number(coords, grid)])
+            if crc != expected:
+                raise IntegrityError(
+                    f"tensor {node!r}: chunk {coords} (elements from {start}) has crc32c "
+                    f"{crc:#010x}, the chunk_crc32c table says {expected:#010x}; the chunk is "
+                    "corrupt or misplaced"
+                )
+            if target is out:
+                continue
+            dst, src = [], []
+            for a, n, st, ca, cn in zip(selection.start, selection.count, selection.step,
+                                        start, count):
+                k0 = max(0, -(-(ca - a) // st))
+                k1 = min(n, (ca + cn - 1 - a) // st + 1)
+                dst.append(slice(k0, k1))
+                src.append(slice(a + k0 * st - ca, a + (k1 - 1) * st - ca + 1, st))
+            out[tuple(dst)] = target[tuple(src)]
 
     def _read_chunk(self, node: str, ds: h5py.Dataset, selection: Selection, out: Any) -> bool:
         """Fast path for a whole row-block chunk stored with fletcher32 alone: H5Dread_chunk,
@@ -324,6 +407,32 @@ class HDF5Reader(StoreReader):
 
     def close(self) -> None:
         self._file.close()
+
+
+def _h5read(node: str, ds: h5py.Dataset, ftype: Any, selection: Selection, out: np.ndarray
+            ) -> None:
+    """H5Dread of ``selection`` into the C-contiguous ``out``, the memory type equal to the
+    file type (no conversion; HDF5 reads unfiltered chunks straight into ``out``)."""
+    count = selection.count
+    fspace = ds.id.get_space()
+    fspace.select_hyperslab(selection.start, count, selection.step)
+    buf = out.view(np.uint8).reshape(-1).view(f"V{ftype.get_size()}").reshape(count)
+    try:
+        ds.id.read(h5s.create_simple(count), fspace, buf, mtype=ftype)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise IntegrityError(f"tensor {node!r}: HDF5 read failed ({exc})") from None
+
+
+def _touched_chunks(selection: Selection, chunks: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    """Grid coordinates of the chunks a strided selection reads, in C order."""
+    axes = []
+    for a, n, st, c in zip(selection.start, selection.count, selection.step, chunks):
+        last = a + (n - 1) * st
+        if st <= c:
+            axes.append(range(a // c, last // c + 1))
+        else:
+            axes.append(sorted({(a + k * st) // c for k in range(n)}))
+    return itertools.product(*axes)
 
 
 def storage_description(fmt: ScalarFormat) -> str:

@@ -80,7 +80,7 @@ class ZarrTensorWriter(TensorWriter):
         rank = len(entry.shape or (1,))
         self.write_unit = unit[:rank]  # regions are over the logical stored shape
 
-    def write(self, region: Region, bits: np.ndarray) -> None:
+    def write(self, region: Region, bits: np.ndarray, crc: int | None = None) -> None:
         data = np.ascontiguousarray(bits)
         if self._native is not None:
             data = data.view(self._native).reshape(tuple(s.stop - s.start for s in region))
