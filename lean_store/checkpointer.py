@@ -6,7 +6,10 @@ sibling (``.step_<n>.h5.lean_store-tmp-*``) that is fsynced and renamed into pla
 complete, so a step is either listed and whole, or not listed at all. A writer killed mid-save
 leaves only a hidden temporary, which :meth:`Checkpointer.save` clears away next time.
 
-One directory belongs to one writer at a time.
+One directory belongs to one writer at a time. With ``process_group`` (or a DTensor model) the
+writer is the group: every rank calls ``save``/``restore``, each step is a sharded training
+checkpoint, and rank 0 alone lists, cleans and prunes the directory, with the ranks agreeing
+before and after.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = None,
-                 backend: str = "hdf5", create: bool = True) -> None:
+                 backend: str = "hdf5", create: bool = True,
+                 process_group: Any = None) -> None:
         if backend not in BACKENDS:
             raise CheckpointError(f"unknown backend {backend!r}; use one of {BACKENDS}")
         if keep_last is not None and (
@@ -47,6 +51,7 @@ class Checkpointer:
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.backend = backend
+        self.process_group = process_group
         if create:
             self.directory.mkdir(parents=True, exist_ok=True)
         elif not self.directory.is_dir():
@@ -90,6 +95,12 @@ class Checkpointer:
              generators: Mapping[str, Any] | None = None, overwrite: bool = False,
              compression: Any = None, progress: Any = False) -> Path:
         """Write ``step`` atomically, then drop the oldest steps beyond ``keep_last``."""
+        comm = self._comm(model, optimizer)
+        if comm is not None:
+            return self._save_sharded(comm, step, model=model, optimizer=optimizer,
+                                      scheduler=scheduler, rng=rng, data=data, extra=extra,
+                                      generators=generators, overwrite=overwrite,
+                                      compression=compression)
         _check_step(step)
         self.clean_incomplete()
         existing = self._entries().get(step)
@@ -103,6 +114,53 @@ class Checkpointer:
             self._remove(existing)
         self._prune()
         return path
+
+    def _comm(self, model: Any, optimizer: Any) -> Any:
+        """The collective of a sharded run, or None for a single process."""
+        from .training import _sharded
+
+        if not _sharded(model, model, optimizer, self.process_group):
+            return None
+        from .distributed.collective import Collective
+
+        return Collective(self.process_group)
+
+    def _on_rank0(self, comm: Any, work: Any) -> Any:
+        """Run ``work()`` on rank 0 only; every rank gets its result or raises its error."""
+        from .distributed.sharded_save import _agree
+
+        error: BaseException | None = None
+        result = None
+        if comm.rank == 0:
+            try:
+                result = work()
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+                error = exc
+        return _agree(comm, error, result)[0]
+
+    def _save_sharded(self, comm: Any, step: int, *, model: Any, overwrite: bool,
+                      **kwargs: Any) -> Path:
+        def check() -> list[str | None]:
+            _check_step(step)
+            self.clean_incomplete()
+            existing = self._entries().get(step)
+            if existing is not None and not overwrite:
+                raise CheckpointError(f"step {step} already exists at {existing}; "
+                                      "pass overwrite=True")
+            path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
+            return [str(path), None if existing is None else str(existing)]
+
+        path, existing = self._on_rank0(comm, check)
+        save_training(path, model=model, step=step, backend=self.backend,
+                      process_group=self.process_group, **kwargs)
+
+        def prune() -> None:
+            if existing is not None and existing != path:
+                self._remove(Path(existing))
+            self._prune()
+
+        self._on_rank0(comm, prune)
+        return Path(path)
 
     def _prune(self) -> None:
         if self.keep_last is None:
@@ -137,6 +195,17 @@ class Checkpointer:
                 generators: Mapping[str, Any] | None = None,
                 scheduled: Any = SCHEDULED) -> TrainingInfo:
         """Restore ``step`` (default: the latest) in place; see :func:`load_training`."""
+        comm = self._comm(model, optimizer)
+        if comm is not None:  # rank 0 chooses the step, so every rank loads the same one
+            path = self._on_rank0(comm, lambda: str(self._find(step)))
+            return load_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
+                                 data=data, rng=rng, generators=generators,
+                                 scheduled=scheduled, process_group=self.process_group)
+        return load_training(self._find(step), model=model, optimizer=optimizer,
+                             scheduler=scheduler, data=data, rng=rng, generators=generators,
+                             scheduled=scheduled)
+
+    def _find(self, step: int | None) -> Path:
         if step is None:
             step = self.latest()
             if step is None:
@@ -146,8 +215,7 @@ class Checkpointer:
         if path is None:
             raise CheckpointError(f"no committed checkpoint for step {step} in {self.directory}; "
                                   f"steps: {self.steps()}")
-        return load_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
-                             data=data, rng=rng, generators=generators, scheduled=scheduled)
+        return path
 
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, keep_last={self.keep_last}, "

@@ -127,6 +127,11 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
     for name in ("tr.zarr", "tr.h5"):
         ls.save_training(out / name, model=model, optimizer=opt, scheduler=sched, step=1,
                          extra={"note": "sharded"}, process_group=dist.group.WORLD)
+    run = ls.Checkpointer(out / "run", keep_last=2, backend="hdf5",
+                          process_group=dist.group.WORLD)
+    for step in (1, 2, 3):
+        run.save(step, model=model, optimizer=opt, scheduler=sched)
+    rec["run_steps"] = run.steps()
     # the uninterrupted run goes on from the RNG states as saved: draws, then batches
     rec["draws"] = draws()
     train(model, opt, sched, mesh, MORE, first_fixed=False)
@@ -138,9 +143,11 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
 
 
 def scenario_cont4(rank: int, world: int, out: Path) -> dict:
+    import torch.distributed as dist
     from torch.distributed.tensor import DeviceMesh
 
     import lean_store as ls
+    from lean_store.distributed import training_state
 
     mesh = DeviceMesh("cpu", list(range(world)))
     rec: dict = {}
@@ -156,6 +163,14 @@ def scenario_cont4(rank: int, world: int, out: Path) -> dict:
         rec[case]["unchanged"] = (
             all(before[0][k].tobytes() == after[0][k].tobytes() for k in before[0])
             and not opt.state and before[1] == after[1] and before[2] == after[2])
+    # a Checkpointer of sharded steps: rank 0 picks the latest, every rank restores it
+    saved = {k.replace("__", "."): v for k, v in np.load(out / "saved.npz").items()}
+    model = dtensor_model(mesh, 0, zeros=True)
+    opt, sched = optimizer_for(model)
+    info = ls.Checkpointer(out / "run", process_group=dist.group.WORLD).restore(
+        model=model, optimizer=opt, scheduler=sched)
+    rec["run_restore"] = {"step": info.step, "equal": all(
+        local_equal(v, saved[k]) for k, v in training_state(model, opt).items())}
     # restore into fresh ranks, same world size, and train on
     seed_rank(rank + 77)  # anything else: the restore must bring back this rank's own state
     model = dtensor_model(mesh, 0, zeros=True)
@@ -277,6 +292,15 @@ def test_restore_on_the_same_world_size_continues_exactly(worlds):
         assert c["rng_restored"] and not c["warnings"] and c["step"] == 1
         assert c["extra"] == {"note": "sharded"} and c["hyper"] == s["hyper"]
     assert len({json.dumps(c["draws"]) for c in cont}) == 4
+
+
+def test_checkpointer_saves_and_restores_sharded_steps(worlds):
+    out, saved, cont, _loaded = worlds
+    assert all(rec["run_steps"] == [2, 3] for rec in saved)
+    names = sorted(p.name for p in (out / "run").iterdir())
+    assert names == ["step_0000000002.h5", "step_0000000003.h5"]  # pruned, no leftovers
+    assert (out / "run" / names[-1] / "lean_store.h5").is_file()  # a sharded HDF5 directory
+    assert all(rec["run_restore"] == {"step": 3, "equal": True} for rec in cont)
 
 
 @pytest.mark.parametrize("case,words", [
