@@ -352,20 +352,43 @@ class Checkpoint(Mapping[str, TensorHandle]):
         for region in iter_regions(shape, chunks):
             yield region, Selection.of_region(region)
 
-    def iter_bits(self, entry: Entry) -> Iterator[tuple[Any, np.ndarray]]:
+    def iter_bits(
+        self, entry: Entry, out: np.ndarray | None = None, *, reuse: bool = False
+    ) -> Iterator[tuple[Any, np.ndarray]]:
         """Raw words region by region in C order; the digest is checked after the last one.
-        A sharded tensor comes shard by shard instead, each shard's digest checked."""
+        A sharded tensor comes shard by shard instead, each shard's digest checked.
+        ``out`` (stored shape, storage dtype): each region is read straight into it.
+        ``reuse``: every region is read into one scratch buffer, valid until the next region
+        (no allocation, no fresh pages per region).
+
+        Where the store checks every chunk against a per-chunk CRC table (HDF5) and the regions
+        are its chunks, the digest is derived from the table (no second pass over the data)."""
         if self._shards.get(entry.name):
             from .distributed.sharded_read import iter_sharded_bits
 
-            yield from iter_sharded_bits(self, entry, self._shards[entry.name])
+            for region, words in iter_sharded_bits(self, entry, self._shards[entry.name]):
+                if out is not None:
+                    out[region] = words
+                yield region, words
             return
         node = self._stored[entry.name].node
         expected = self._stored[entry.name].attrs.get("crc32c")
+        table = self._reader.chunk_crcs(node) if self._units_are_chunks(entry) else None
         crc = 0
-        for region, selection in self._read_units(entry):
-            words = self._reader.read(node, selection, entry.format)
-            crc = crc32c_update(crc, words)
+        scratch: np.ndarray | None = None
+        pair = (2,) if entry.format.words_per_value == 2 else ()
+        for i, (region, selection) in enumerate(self._read_units(entry)):
+            into = None if out is None else out[region]
+            if into is None and reuse:
+                n = math.prod(selection.count + pair)
+                if scratch is None or scratch.size < n:
+                    scratch = np.empty(n, entry.format.storage_dtype)
+                into = scratch[:n].reshape(selection.count + pair)
+            words = self._reader.read(node, selection, entry.format, out=into)
+            if table is not None:  # the reader checked this chunk against table[i]
+                crc = crc32c_combine(crc, int(table[i]), words.nbytes)
+            else:
+                crc = crc32c_update(crc, words)
             yield region, words
         if expected is not None and crc != expected:
             raise IntegrityError(
@@ -373,18 +396,23 @@ class Checkpoint(Mapping[str, TensorHandle]):
                 f"{expected:#010x}; the checkpoint is corrupt"
             )
 
+    def _units_are_chunks(self, entry: Entry) -> bool:
+        shape = stored_rank_shape(entry)
+        chunks = self._stored[entry.name].chunk_shape
+        return len(chunks) == len(shape) and _is_row_block(shape, chunks)
+
     def _read_verified(self, entry: Entry) -> np.ndarray:
         shape = stored_rank_shape(entry)
         pair = (2,) if entry.format.words_per_value == 2 else ()
         out = np.empty(shape + pair, dtype=entry.format.storage_dtype)
-        for region, words in self.iter_bits(entry):
-            out[region] = words
+        for _ in self.iter_bits(entry, out=out):  # each region is read in place
+            pass
         return out.reshape(entry.shape + pair)
 
     def verify(self) -> None:
         """Read every tensor and check every chunk checksum and digest."""
         for entry in self.layout:
-            for _ in self.iter_bits(entry):
+            for _ in self.iter_bits(entry, reuse=True):
                 pass
 
     def to_dask(self, name: str, *, decode: bool | None = None) -> Any:
@@ -519,9 +547,9 @@ def load(
             unexpected=[n for n in ck.layout.names() if n not in expected],
         )
         names = [n for n in expected.names() if n in ck.layout]
-        if verify:
+        if verify:  # every chunk and digest checked before the target changes at all
             for name in names:
-                for _ in ck.iter_bits(ck.layout[name]):
+                for _ in ck.iter_bits(ck.layout[name], reuse=True):
                     pass
         total = sum(ck.layout[n].nbytes for n in names)
         with make_progress(progress, f"load {Path(str(path)).name}", total) as bar:
@@ -544,7 +572,7 @@ def warn_skipped(result: LoadResult) -> None:
 
 def _install(ck: Checkpoint, entry: Entry, target: TargetTensor, bar: Any) -> None:
     src, dst = entry.format, target.entry.format
-    for region, words in ck.iter_bits(entry):
+    for region, words in ck.iter_bits(entry, reuse=True):
         target.write(region, _convert(words, src, dst))
         bar.advance(words.nbytes)
 

@@ -150,8 +150,16 @@ class StoreReader(ABC):
         """Attributes and storage description of one dataset."""
 
     @abstractmethod
-    def read(self, node: str, selection: Selection, fmt: Any) -> np.ndarray:
-        """Raw words of ``selection`` (complex formats: trailing axis of 2)."""
+    def read(
+        self, node: str, selection: Selection, fmt: Any, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Raw words of ``selection`` (complex formats: trailing axis of 2), written into
+        ``out`` (of that shape and the storage dtype) and returned as ``out`` when given."""
+
+    def chunk_crcs(self, node: str) -> np.ndarray | None:
+        """The per-chunk CRC-32C table of ``node`` (C order of the chunk grid) when the store
+        keeps one and checks every chunk read against it, else None."""
+        return None
 
     @abstractmethod
     def close(self) -> None: ...

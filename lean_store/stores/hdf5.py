@@ -310,6 +310,7 @@ class HDF5Reader(StoreReader):
         ds = self._dataset(node)
         ftype = self._types.get(node) or ds.id.get_type()
         shape = selection.count + ((2,) if fmt.words_per_value == 2 else ())
+        into = out
         if out is None or not out.flags.c_contiguous:
             out = np.empty(shape, dtype=fmt.storage_dtype)
         if out.size == 0:
@@ -319,7 +320,13 @@ class HDF5Reader(StoreReader):
             self._read_checked(node, ds, ftype, selection, out, table)
         elif not self._read_chunk(node, ds, selection, out):
             _h5read(node, ds, ftype, selection, out)
+        if into is not None and into is not out:
+            into[...] = out
+            return into
         return out
+
+    def chunk_crcs(self, node: str) -> np.ndarray | None:
+        return self._table(node, self._dataset(node))
 
     def _table(self, node: str, ds: h5py.Dataset) -> np.ndarray | None:
         if node not in self._tables:

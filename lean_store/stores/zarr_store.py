@@ -199,7 +199,9 @@ class ZarrReader(StoreReader):
     def array_dtype(self, node: str) -> np.dtype:
         return np.dtype(self._array(node).dtype)
 
-    def read(self, node: str, selection: Selection, fmt: ScalarFormat) -> np.ndarray:
+    def read(
+        self, node: str, selection: Selection, fmt: ScalarFormat, out: np.ndarray | None = None
+    ) -> np.ndarray:
         array = self._array(node)
         words = fmt.words_per_value
         raw_pairs = words == 2 and native_dtype(fmt) is None
@@ -213,7 +215,11 @@ class ZarrReader(StoreReader):
             data = np.asarray(array[key])
         except Exception as exc:
             raise IntegrityError(f"tensor {node!r}: Zarr read failed ({exc})") from None
-        return np.ascontiguousarray(data).view(fmt.storage_dtype).reshape(out_shape)
+        words = np.ascontiguousarray(data).view(fmt.storage_dtype).reshape(out_shape)
+        if out is not None:
+            out[...] = words
+            return out
+        return words
 
     def close(self) -> None:
         self._arrays.clear()
