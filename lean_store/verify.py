@@ -2,9 +2,10 @@
 tensor and which chunk is bad.
 
 Each chunk is read on its own, so the per-chunk checksum (HDF5: the ``chunk_crc32c`` table,
-and fletcher32 where the file has it; Zarr: the crc32c codec) fails for that chunk alone; the whole-tensor crc32c digest is then checked over the
-chunks in C order. Structure is checked too: every chunk present, no HDF5 filter skipped for a
-chunk, no empty slot in a Zarr shard index, a checksum configured on every tensor.
+and fletcher32 where the file has it; Zarr: the crc32c codec) fails for that chunk alone; the
+whole-tensor crc32c digest is then checked over the chunks in C order. Structure is checked
+too: every chunk present, no HDF5 filter skipped for a chunk, no empty slot in a Zarr shard
+index, a checksum configured on every tensor.
 """
 
 from __future__ import annotations
