@@ -8,7 +8,7 @@
 ``to_dask`` keeps formats with a numpy dtype (ml_dtypes included) and decodes every other format
 exactly to float64 (complex128 for complex formats), chunk by chunk, inside the dask graph;
 ``to_xarray`` also decodes the ml_dtypes formats, which xarray cannot reduce. Each chunk
-read is checked by the store's per-chunk checksum (HDF5 fletcher32, Zarr crc32c).
+read is checked by the store's per-chunk checksum (HDF5 chunk_crc32c, Zarr crc32c).
 
 The graph holds the checkpoint's path, not an open file: every process (a dask worker on a
 distributed cluster included) opens its own read-only handle the first time it needs a chunk, so
