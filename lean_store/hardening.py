@@ -83,7 +83,15 @@ def read_hdf5_attrs(obj: Any, where: str) -> dict[str, Any]:
         if shape is None or len(shape) > 1:
             raise IntegrityError(f"{where}: attribute {name!r} has an unsupported shape {shape}")
         count = math.prod(shape)
-        is_str = h5py.check_string_dtype(dtype) is not None
+        string_info = h5py.check_string_dtype(dtype)
+        is_str = string_info is not None
+        if is_str and string_info.length is None:
+            # Variable-length strings live in HDF5's global heap; libhdf5 can loop forever on a
+            # corrupted one. lean_store writes fixed-length strings only, so refuse to read these.
+            raise UnsafeFileError(
+                f"{where}: attribute {name!r} is a variable-length string; lean_store files hold "
+                "fixed-length strings only"
+            )
         if dtype.kind not in "iufb" and not is_str:
             raise IntegrityError(f"{where}: attribute {name!r} has an unsupported type {dtype}")
         if count * max(1, dtype.itemsize) > MAX_ATTR_BYTES or (is_str and count > 1):

@@ -74,3 +74,11 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert list(a) == list(b)
     for name in a:
         assert raw(a[name]) == raw(b[name]), name
+
+
+def h5_text(text: str):
+    """A string attribute value as lean_store writes it: fixed-length UTF-8 (no global heap)."""
+    import h5py
+
+    data = text.encode("utf-8")
+    return np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data))))

@@ -350,7 +350,8 @@ def _tamper(out: Path) -> None:
     with h5py.File(out / "overlap.h5" / "lean_store.h5", "r+") as f:
         shards = json.loads(f["0.weight"].attrs["shards"])
         shards[1]["offsets"][0] -= 1
-        f["0.weight"].attrs["shards"] = json.dumps(shards)
+        text = json.dumps(shards).encode()  # fixed-length, as lean_store writes strings
+        f["0.weight"].attrs["shards"] = np.array(text, dtype=h5py.string_dtype("utf-8", len(text)))
     shutil.copytree(out / "ck.zarr", out / "corrupt.zarr")
     _meta_path, meta = _zarr_shards(out / "corrupt.zarr", "0.weight")
     shards = json.loads(meta["attributes"]["shards"])

@@ -11,6 +11,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from helpers import h5_text
 
 import lean_store as ls
 from lean_store.hardening import check_zarr_key
@@ -48,7 +49,7 @@ def _replace_h5_dataset(path: Path, name: str, make) -> None:
         obj = make(f, name)
         if isinstance(obj, h5py.Dataset):
             for k, v in attrs.items():
-                obj.attrs[k] = v
+                obj.attrs[k] = h5_text(v.decode()) if isinstance(v, bytes) else v
 
 
 def _edit_json(file: Path, edit) -> None:
@@ -110,7 +111,7 @@ def test_hdf5_shape_of_1e15_elements(h5):
     with h5py.File(h5, "r+") as f:
         layout = json.loads(f.attrs["layout"])
         layout[0]["shape"] = [10**15]
-        f.attrs["layout"] = json.dumps(layout)
+        f.attrs["layout"] = h5_text(json.dumps(layout))
     _rejected(h5, ls.IntegrityError, "absurd shape")
 
 
@@ -124,7 +125,7 @@ def test_hdf5_consistent_huge_claim_without_data_is_not_allocated(h5):
     with h5py.File(h5, "r+") as f:
         layout = json.loads(f.attrs["layout"])
         layout[0]["shape"] = list(shape)
-        f.attrs["layout"] = json.dumps(layout)
+        f.attrs["layout"] = h5_text(json.dumps(layout))
         f["w"].attrs["shape"] = np.asarray(shape, dtype=np.int64)
     _rejected(h5, ls.IntegrityError, "chunks are present")
 
@@ -155,7 +156,7 @@ def test_hdf5_absurd_chunk_shape(h5):
 )
 def test_hdf5_root_attributes_of_the_wrong_type_or_not_json(h5, key, value):
     with h5py.File(h5, "r+") as f:
-        f.attrs[key] = value
+        f.attrs[key] = h5_text(value) if isinstance(value, str) else value
     _rejected(h5, ls.IntegrityError)
 
 
@@ -167,7 +168,7 @@ def test_hdf5_attribute_of_an_unsupported_type(h5):
 
 def test_hdf5_absurdly_long_attribute(h5):
     with h5py.File(h5, "r+") as f:
-        f.attrs["writer"] = "x" * ((64 << 20) + 1)
+        f.attrs["writer"] = h5_text("x" * ((64 << 20) + 1))
     _rejected(h5, ls.UnsafeFileError)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from helpers import BACKENDS, SUFFIX, raw
+from helpers import BACKENDS, SUFFIX, h5_text, raw
 
 import lean_store as ls
 
@@ -125,7 +125,7 @@ def _edit_attrs(path, node, **changes):
     else:
         with h5py.File(path, "r+") as f:
             for key, value in changes.items():
-                f[node].attrs[key] = value
+                f[node].attrs[key] = h5_text(value) if isinstance(value, str) else value
 
 
 def _edit_root_layout(path, name, **changes):
@@ -145,7 +145,7 @@ def _edit_root_layout(path, name, **changes):
         meta_path.write_text(json.dumps(meta))
     else:
         with h5py.File(path, "r+") as f:
-            f.attrs["layout"] = text
+            f.attrs["layout"] = h5_text(text)
 
 
 def test_attributes_that_lie_about_shape(saved):
