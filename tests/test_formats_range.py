@@ -42,3 +42,29 @@ def test_embedding_boundaries():
     assert formats.binary(11, 52, bias=1023).embeds_in_float64
     assert not formats.binary(11, 53 - 1, bias=1022).embeds_in_float64  # max exponent 1024
     assert formats.binary(8, 23, encoding="finite").embeds_in_float64
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "binary_05_6_15_ieee",
+        "binary_5_06_15_ieee",
+        "binary_5_6_-0_ieee",
+        "binary_5_6_015_ieee",
+        "binary_٥_6_15_ieee",
+        "binary_+5_6_15_ieee",
+    ],
+)
+def test_non_canonical_tags_are_refused(tag):
+    with pytest.raises(ls.FormatError, match="unknown format tag"):
+        formats.get(tag)
+
+
+def test_every_tag_round_trips_to_itself():
+    for tag in ["binary_5_6_15_ieee", "binary_5_6_0_ieee", "complex(binary_3_2_4_finite)"]:
+        assert formats.get(tag).tag == tag
+
+
+def test_standard_formats_spelled_as_binary_tags_canonicalize():
+    assert formats.get("binary_3_2_3_finite").tag == "float6_e3m2fn"
+    assert formats.get("complex(binary_8_23_127_ieee)").tag == "complex64"

@@ -57,9 +57,9 @@ _DTYPES[STANDARD["complex64"]] = np.dtype(np.complex64)
 _DTYPES[STANDARD["complex128"]] = np.dtype(np.complex128)
 _FORMAT_OF_DTYPE: dict[np.dtype, ScalarFormat] = {dt: fmt for fmt, dt in _DTYPES.items()}
 
-_BINARY_TAG = re.compile(
-    r"binary_(\d+)_(\d+)_(-?\d+)_(" + "|".join(map(re.escape, ENCODINGS)) + r")"
-)
+_NATURAL = r"(0|[1-9][0-9]*)"  # canonical spelling only: one tag per format
+_ENCODING = "(" + "|".join(map(re.escape, ENCODINGS)) + ")"
+_BINARY_TAG = re.compile(rf"binary_{_NATURAL}_{_NATURAL}_(0|-?[1-9][0-9]*)_{_ENCODING}")
 _COMPLEX_TAG = re.compile(r"complex\((.+)\)")
 
 
