@@ -6,6 +6,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,10 @@ def crc32c_update(crc: int, bits: np.ndarray) -> int:
 # ----------------------------------------------------------------------------------- saving
 
 
+OVERLAP_CRC_BYTES = 1 << 20
+"""Write units at least this large have their CRC-32C computed in a thread while written."""
+
+
 def write_source(
     source: TensorSource,
     path: str | os.PathLike,
@@ -152,16 +157,26 @@ def write_source(
                 yield sink, tensor, region
             yield sink, None, None  # end of this tensor
 
-    with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar:
+    with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar, \
+            ThreadPoolExecutor(1, thread_name_prefix="lean_store-crc") as crc_pool:
         crc = 0
         for sink, region, bits in staged(units(), buffer_bytes=buffer_bytes):
             if bits is None:
                 sink.close({"crc32c": crc})
                 crc = 0
                 continue
-            unit_crc = crc32c_of(bits)  # one pass: the unit's CRC, combined into the digest
+            # one pass: the unit's CRC, combined into the digest; large units have it computed
+            # on another core while the store writes them (crc32c releases the GIL)
+            if bits.nbytes >= OVERLAP_CRC_BYTES:
+                pending = crc_pool.submit(crc32c_of, bits)
+                try:
+                    sink.write(region, bits, pending.result)
+                finally:  # the CRC reads ``bits``: done before its buffer can be reused
+                    unit_crc = pending.result()
+            else:
+                unit_crc = crc32c_of(bits)
+                sink.write(region, bits, unit_crc)
             crc = crc32c_combine(crc, unit_crc, bits.nbytes)
-            sink.write(region, bits, unit_crc)
             bar.advance(bits.nbytes)
         writer.commit(root_attrs(layout, kind, extra_root))
     return layout

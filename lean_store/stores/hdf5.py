@@ -20,7 +20,7 @@ from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5d, h5p, h5s, h5z
+from h5py import h5a, h5d, h5p, h5s, h5t, h5z
 from numcodecs.fletcher32 import Fletcher32
 
 from ..chunk_crc import (
@@ -77,6 +77,33 @@ def to_hdf5_attr(value: Any) -> Any:
     return np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data))))
 
 
+_ATTR_TYPES: dict[tuple[str, Any], tuple[Any, Any]] = {}
+
+
+def write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> None:
+    """Write ``attrs`` (through :func:`to_hdf5_attr`) on the HDF5 object ``oid`` with h5py's
+    low-level API: the same file types and dataspaces as ``h5py``'s ``attrs[key] = value``,
+    without its per-attribute overhead. ``replace``: delete an attribute of the same name
+    first (objects created by the writer have none)."""
+    for key, value in attrs.items():
+        data = np.asarray(to_hdf5_attr(value))
+        dtype = data.dtype
+        cache_key = (dtype.str, h5py.check_string_dtype(dtype))
+        types = _ATTR_TYPES.get(cache_key)
+        if types is None:  # file type (logical) and memory type (bit for bit), as h5py makes
+            types = _ATTR_TYPES[cache_key] = (
+                h5t.py_create(dtype, logical=True), h5t.py_create(dtype)
+            )
+        name = key.encode("utf-8")
+        if replace and h5a.exists(oid, name):
+            h5a.delete(oid, name)
+        attr = h5a.create(oid, name, types[0], h5s.create_simple(data.shape))
+        try:
+            attr.write(data, mtype=types[1])
+        finally:
+            attr.close()
+
+
 def from_hdf5_attr(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8")
@@ -105,7 +132,7 @@ def _compression_filters(dcpl: h5p.PropDCID, compression: Any) -> None:
 class HDF5TensorWriter(TensorWriter):
     def __init__(
         self, dset: h5d.DatasetID, entry: Entry, ftype: Any, chunks: tuple[int, ...],
-        direct: bool = False,
+        direct: bool = False, fletcher32: bool = True,
     ):
         self._dset = dset
         self._ftype = ftype
@@ -114,10 +141,12 @@ class HDF5TensorWriter(TensorWriter):
         self.write_unit = chunks
         self._itemsize = ftype.get_size()
         self._stored_shape = dset.shape
-        # With fletcher32 as the only filter, whole chunks go in through H5Dwrite_chunk with the
-        # checksum computed by numcodecs (HDF5's own, byte by byte, is 2-3x slower); HDF5
-        # verifies it on every read like any chunk it filtered itself.
+        # With no filter, or fletcher32 as the only one, whole chunks go in through
+        # H5Dwrite_chunk: the bytes as they are (no pass through HDF5's chunk cache, which costs
+        # a copy), or with the checksum computed by numcodecs (HDF5's own, byte by byte, is 2-3x
+        # slower); HDF5 verifies it on every read like any chunk it filtered itself.
         self._direct = direct
+        self._fletcher32 = fletcher32
         self._chunk_nbytes = math.prod(chunks) * self._itemsize
         self._grid = grid_shape(self._stored_shape, chunks)
         self._crcs = np.zeros(math.prod(self._grid), np.uint32)  # the chunk_crc32c table
@@ -129,27 +158,30 @@ class HDF5TensorWriter(TensorWriter):
             full = np.zeros(self._chunk_nbytes, np.uint8)
             full[: data.size] = data
             data = full
-        self._dset.write_direct_chunk(
-            tuple(s.start for s in region), _FLETCHER32.encode(data), 0
-        )
+        payload = _FLETCHER32.encode(data) if self._fletcher32 else data
+        self._dset.write_direct_chunk(tuple(s.start for s in region), payload, 0)
 
     def write(self, region: Region, bits: np.ndarray, crc: int | None = None) -> None:
         """Write one chunk (``region`` is a whole chunk clipped to the dataset) and record
         its CRC-32C in the table."""
-        coords = tuple(s.start // c for s, c in zip(region, self.chunk_shape))
-        self._crcs[chunk_number(coords, self._grid)] = crc32c_of(bits) if crc is None else crc
         if self._direct:
-            return self._write_chunk(region, bits)
-        shape = region_shape(region)
-        buf = np.ascontiguousarray(bits).view(np.uint8).view(f"V{self._itemsize}").reshape(shape)
-        fspace = self._dset.get_space()
-        fspace.select_hyperslab(tuple(s.start for s in region), shape)
-        self._dset.write(h5s.create_simple(shape), fspace, buf, mtype=self._ftype)
+            self._write_chunk(region, bits)
+        else:
+            shape = region_shape(region)
+            buf = np.ascontiguousarray(bits).view(np.uint8).view(f"V{self._itemsize}")
+            fspace = self._dset.get_space()
+            fspace.select_hyperslab(tuple(s.start for s in region), shape)
+            self._dset.write(h5s.create_simple(shape), fspace, buf.reshape(shape),
+                             mtype=self._ftype)
+        coords = tuple(s.start // c for s, c in zip(region, self.chunk_shape))
+        if crc is None:
+            crc = crc32c_of(bits)
+        elif callable(crc):  # computed while the chunk was written
+            crc = crc()
+        self._crcs[chunk_number(coords, self._grid)] = crc
 
     def close(self, attrs: dict[str, Any]) -> None:
-        ds = h5py.Dataset(self._dset)
-        for key, value in {**attrs, CHUNK_CRC_ATTR: self._crcs}.items():
-            ds.attrs[key] = to_hdf5_attr(value)
+        write_attrs(self._dset, {**attrs, CHUNK_CRC_ATTR: self._crcs}, replace=True)
 
 
 class HDF5Writer(StoreWriter):
@@ -184,11 +216,10 @@ class HDF5Writer(StoreWriter):
             dcpl.set_fletcher32()
         space = h5s.create_simple(stored)
         dset = h5d.create(self._file.id, node_name(entry.name).encode(), ftype, space, dcpl=dcpl)
-        ds = h5py.Dataset(dset)
-        for key, value in attrs.items():
-            ds.attrs[key] = to_hdf5_attr(value)
-        direct = dcpl.get_nfilters() == 1 and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
-        return HDF5TensorWriter(dset, entry, ftype, chunks, direct)
+        write_attrs(dset, attrs)
+        nfilters = dcpl.get_nfilters()
+        fletcher32 = nfilters == 1 and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
+        return HDF5TensorWriter(dset, entry, ftype, chunks, nfilters == 0 or fletcher32, fletcher32)
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
         attrs = self._file.attrs
