@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec, Crc32cCodec, GzipCodec, ZstdCodec
+from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 from ..chunking import Region, grow_chunks, plan_chunks
 from ..errors import CheckpointError, IntegrityError, UnsafeFileError
@@ -30,6 +30,8 @@ from ..hardening import (
     touched_keys,
 )
 from ..layout import Entry
+from ..zarr_crc import LeanCrc32cCodec
+from ..zarr_direct import DirectWriter, direct_ok
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
 
 NATIVE_KINDS = "fiub c"
@@ -65,14 +67,16 @@ def _compressors(compression: Any) -> list[Any]:
         codecs = [BloscCodec()]
     else:
         raise CheckpointError(f"unknown zarr compression {compression!r}; use zstd, gzip or blosc")
-    return codecs + [Crc32cCodec()]
+    return codecs + [LeanCrc32cCodec()]  # stock crc32c bytes, a cheaper encoder
 
 
 class ZarrTensorWriter(TensorWriter):
     def __init__(
-        self, array: zarr.Array, entry: Entry, chunks: tuple[int, ...], unit: tuple[int, ...]
+        self, array: zarr.Array, entry: Entry, chunks: tuple[int, ...], unit: tuple[int, ...],
+        direct: DirectWriter | None = None,
     ) -> None:
         self._array = array
+        self._direct = direct  # whole shard files written without zarr's copies
         self._native = native_dtype(entry.format)
         self._pairs = entry.format.words_per_value == 2 and self._native is None
         self.entry = entry
@@ -86,7 +90,10 @@ class ZarrTensorWriter(TensorWriter):
             data = data.view(self._native).reshape(tuple(s.stop - s.start for s in region))
         elif self._pairs:
             region = region + (slice(0, 2),)
-        self._array[region] = data
+        if self._direct is not None:
+            self._direct.write(region, data)
+        else:
+            self._array[region] = data
 
     def close(self, attrs: dict[str, Any]) -> None:
         self._array.attrs.update(_plain(attrs))
@@ -133,7 +140,11 @@ class ZarrWriter(StoreWriter):
             attributes=_plain(attrs),
             config={"write_empty_chunks": True},
         )
-        return ZarrTensorWriter(array, entry, chunks, shards or chunks)
+        direct = None
+        if self.compression in (None, False) and direct_ok(array):
+            direct = DirectWriter(self.tmp_path / node_name(entry.name), array, chunks, shards,
+                                  dtype.itemsize)
+        return ZarrTensorWriter(array, entry, chunks, shards or chunks, direct)
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
         self._group.attrs.update(_plain(root_attrs))
