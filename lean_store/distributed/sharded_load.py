@@ -91,14 +91,7 @@ def load(
         _agree(comm, error)
         assert ck is not None
         if verify:
-            error = None
-            try:
-                units = _verify_units(ck, names)
-                for name, k in units[comm.rank :: comm.size]:
-                    _verify(ck, name, k)
-            except Exception as exc:  # noqa: BLE001
-                error = exc
-            _agree(comm, error)
+            verify_shards(ck, names, comm)
         error = None
         try:
             by_name = {p.name: p for p in pieces}
@@ -113,6 +106,18 @@ def load(
             ck.close()
     warn_skipped(result)
     return result
+
+
+def verify_shards(ck: Any, names: list[str], comm: Collective) -> None:
+    """Check every stored shard's digest of ``names``, each shard by one rank, round robin;
+    every rank raises if any rank found a problem."""
+    error = None
+    try:
+        for name, k in _verify_units(ck, names)[comm.rank :: comm.size]:
+            _verify(ck, name, k)
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+        error = exc
+    _agree(comm, error)
 
 
 def _install(ck: Any, piece: Piece, stored: list[Box], block_bytes: int) -> None:

@@ -28,7 +28,7 @@ from ..layout import Layout
 from .collective import Collective
 from .local_state import LocalShard, Piece, is_dtensor, layout_of, local_pieces
 from .shard_spec import Box
-from .sharded_load import _install, _stored_boxes, _verify, _verify_units
+from .sharded_load import _install, _stored_boxes, verify_shards
 from .sharded_save import _agree
 from .sharded_save import save as sharded_save
 
@@ -202,13 +202,7 @@ def load_training(
         _agree(comm, error)
         assert ck is not None and prepared is not None
         if verify:  # every stored shard's digest, each checked by one rank
-            error = None
-            try:
-                for name, k in _verify_units(ck, ck.layout.names())[comm.rank :: comm.size]:
-                    _verify(ck, name, k)
-            except Exception as exc:  # noqa: BLE001
-                error = exc
-            _agree(comm, error)
+            verify_shards(ck, ck.layout.names(), comm)
         error = None
         try:
             prepared.install()
