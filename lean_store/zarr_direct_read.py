@@ -1,0 +1,174 @@
+"""Reading Zarr v3 chunks straight from the files of the direct layout (``zarr_direct``).
+
+For arrays whose codecs are exactly what :class:`lean_store.zarr_direct.DirectWriter` writes
+(``bytes`` little endian + ``crc32c``, optionally inside ``sharding_indexed`` with a
+``bytes`` + ``crc32c`` index at the end, row-block chunks inside a shard), a read goes to the
+files themselves instead of zarr's codec pipeline: for each chunk the selection touches, the
+shard index is read and its CRC-32C checked (once per shard), the chunk's bytes are read with
+one ``preadv`` straight into the output where the chunk is wanted whole (else into a scratch
+chunk), and its CRC-32C is checked before anything is returned. Only the chunks a selection
+touches are read. Every offset and length is bounded by the bytes actually in the file; a
+missing file or chunk, a bad index or a bad CRC is an :class:`IntegrityError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc32c
+import numpy as np
+
+from .errors import IntegrityError
+from .zarr_direct import direct_ok
+
+_EMPTY = 2**64 - 1
+_O_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def direct_read_ok(array: Any) -> bool:
+    """True when ``array`` is stored in the layout :class:`DirectReader` reads."""
+    from zarr.core.chunk_grids import RegularChunkGrid
+
+    meta = array.metadata
+    if not direct_ok(array) or not isinstance(meta.chunk_grid, RegularChunkGrid):
+        return False
+    outer, inner = tuple(meta.chunk_grid.chunk_shape), tuple(array.chunks)
+    if len(outer) != len(inner) or any(o % c for o, c in zip(outer, inner)):
+        return False
+    return sum(o != c for o, c in zip(outer, inner)) <= 1  # one chunk axis: plain order
+
+
+class DirectReader:
+    """Reads selections of one array from its chunk (shard) files under ``directory``."""
+
+    def __init__(self, directory: Path, node: str, array: Any) -> None:
+        meta = array.metadata
+        self._dir = directory
+        self._node = node
+        self._shape = tuple(int(d) for d in array.shape)
+        self._chunks = tuple(int(c) for c in array.chunks)
+        self._outer = tuple(int(c) for c in meta.chunk_grid.chunk_shape)
+        self._sharded = self._outer != self._chunks
+        self._per_shard = tuple(o // c for o, c in zip(self._outer, self._chunks))
+        self._slots = math.prod(self._per_shard)
+        self._itemsize = int(array.dtype.itemsize)
+        self._chunk_nbytes = math.prod(self._chunks) * self._itemsize
+        self._encode = meta.encode_chunk_key
+        self._indexes: dict[tuple[int, ...], np.ndarray] = {}
+
+    def read(self, start: tuple[int, ...], count: tuple[int, ...], step: tuple[int, ...],
+             out: np.ndarray) -> None:
+        """Fill the C-contiguous ``out`` (``count`` elements over the stored rank, raw bytes
+        of the array's items) with the selection ``start/count/step``."""
+        dst_all = out.view(np.uint8).reshape(count + (self._itemsize,))
+        scratch: np.ndarray | None = None
+        for coords in self._touched(start, count, step):
+            cstart = tuple(i * c for i, c in zip(coords, self._chunks))
+            ccount = tuple(min(c, d - a) for a, c, d in zip(cstart, self._chunks, self._shape))
+            if cstart == start and ccount == count and all(s == 1 for s in step) \
+                    and self._is_prefix(ccount):
+                self._read_chunk(coords, dst_all.reshape(-1))
+                continue
+            if scratch is None:
+                scratch = np.empty(self._chunk_nbytes, np.uint8)
+            self._read_chunk(coords, scratch)
+            chunk = scratch[: math.prod(ccount) * self._itemsize] if self._is_prefix(ccount) \
+                else None
+            if chunk is None:  # clipped on an axis other than the first split one
+                chunk = scratch.reshape(self._chunks + (self._itemsize,))[
+                    tuple(slice(0, n) for n in ccount)
+                ]
+            else:
+                chunk = chunk.reshape(ccount + (self._itemsize,))
+            dst, src = [], []
+            for a, n, st, ca, cn in zip(start, count, step, cstart, ccount):
+                k0 = max(0, -(-(ca - a) // st))
+                k1 = min(n, (ca + cn - 1 - a) // st + 1)
+                dst.append(slice(k0, k1))
+                src.append(slice(a + k0 * st - ca, a + (k1 - 1) * st - ca + 1, st))
+            dst_all[tuple(dst)] = chunk[tuple(src)]
+
+    def _is_prefix(self, ccount: tuple[int, ...]) -> bool:
+        """The clipped chunk's elements are a prefix of the chunk's bytes in C order."""
+        clipped = [i for i, (n, c) in enumerate(zip(ccount, self._chunks)) if n < c]
+        return not clipped or (len(clipped) == 1 and all(
+            c == 1 for c in self._chunks[: clipped[0]]
+        ))
+
+    def _touched(self, start: tuple[int, ...], count: tuple[int, ...], step: tuple[int, ...]
+                 ) -> Any:
+        axes = []
+        for a, n, st, c in zip(start, count, step, self._chunks):
+            last = a + (n - 1) * st
+            axes.append(range(a // c, last // c + 1) if st <= c
+                        else sorted({(a + k * st) // c for k in range(n)}))
+        return itertools.product(*axes)
+
+    def _fail(self, coords: tuple[int, ...], what: str) -> IntegrityError:
+        return IntegrityError(f"tensor {self._node!r}: chunk {coords} {what}; the checkpoint is "
+                              "corrupt or truncated")
+
+    def _read_chunk(self, coords: tuple[int, ...], dst: np.ndarray) -> None:
+        """The chunk's bytes into ``dst`` (a flat uint8 array: the whole chunk, or the prefix
+        the array holds of an edge chunk), CRC-32C checked over the whole stored chunk."""
+        size = self._chunk_nbytes
+        if self._sharded:
+            shard = tuple(c // p for c, p in zip(coords, self._per_shard))
+            inner = tuple(c % p for c, p in zip(coords, self._per_shard))
+            key = self._encode(shard)
+        else:
+            shard, inner, key = coords, (), self._encode(coords)
+        try:
+            fd = os.open(self._dir / key, _O_FLAGS)
+        except OSError as exc:
+            raise self._fail(coords, f"cannot be read: file {key!r} ({exc.strerror})") from None
+        try:
+            file_size = os.fstat(fd).st_size
+            if self._sharded:
+                index = self._index(fd, file_size, shard, coords)
+                offset, nbytes = (int(v) for v in index[int(np.ravel_multi_index(
+                    inner, self._per_shard))])
+                if offset == _EMPTY and nbytes == _EMPTY:
+                    raise self._fail(coords, f"is missing from shard {key!r}")
+                end = file_size - (16 * self._slots + 4)
+                if nbytes != size + 4 or offset > end or offset + nbytes > end:
+                    raise self._fail(coords, f"has a bad shard index entry ({offset}, {nbytes})")
+            else:
+                offset = 0
+                if file_size != size + 4:
+                    raise self._fail(coords, f"file {key!r} has {file_size} bytes, not "
+                                             f"{size + 4}")
+            pad = size - dst.size
+            tail = bytearray(pad + 4)
+            got = os.preadv(fd, [dst, tail], offset)
+        except OSError as exc:
+            raise self._fail(coords, f"cannot be read ({exc})") from None
+        finally:
+            os.close(fd)
+        if got != size + 4:
+            raise self._fail(coords, f"is truncated ({got} of {size + 4} bytes)")
+        crc = _crc32c.crc32c(memoryview(tail)[:pad], _crc32c.crc32c(dst))
+        if crc != int.from_bytes(tail[pad:], "little"):
+            raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")
+
+    def _index(self, fd: int, file_size: int, shard: tuple[int, ...], coords: tuple[int, ...]
+               ) -> np.ndarray:
+        index = self._indexes.get(shard)
+        if index is None:
+            n = 16 * self._slots + 4
+            if file_size < n:
+                raise self._fail(coords, f"lies in a shard of {file_size} bytes, too short for "
+                                         "its index")
+            raw = os.pread(fd, n, file_size - n)
+            if len(raw) != n or _crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+                raise self._fail(coords, "lies in a shard whose index fails its crc32c check")
+            index = np.frombuffer(raw[:-4], "<u8").reshape(self._slots, 2)
+            self._indexes[shard] = index
+        return index
+
+
+__all__ = ["DirectReader", "direct_read_ok"]
