@@ -344,6 +344,7 @@ class Checkpoint(Mapping[str, TensorHandle]):
             from .distributed.sharded_read import stored_shards
 
             self._shards = stored_shards(self)  # {} unless saved by lean_store.distributed
+            self._pool: ThreadPoolExecutor | None = None  # checks chunks while reading ahead
         except BaseException:
             self._reader.close()
             raise
@@ -392,7 +393,14 @@ class Checkpoint(Mapping[str, TensorHandle]):
         crc = 0
         scratch: np.ndarray | None = None
         pair = (2,) if entry.format.words_per_value == 2 else ()
-        for i, (region, selection) in enumerate(self._read_units(entry)):
+        if table is not None and hasattr(self._reader, "check_chunk") and _worth_overlap(
+            self._stored[entry.name], entry
+        ):
+            crc = yield from self._iter_checked_ahead(entry, node, table, out, reuse)
+            units: Any = ()
+        else:
+            units = self._read_units(entry)
+        for i, (region, selection) in enumerate(units):
             into = None if out is None else out[region]
             if into is None and reuse:
                 n = math.prod(selection.count + pair)
@@ -410,6 +418,48 @@ class Checkpoint(Mapping[str, TensorHandle]):
                 f"tensor {entry.name!r}: crc32c {crc:#010x} does not match the recorded "
                 f"{expected:#010x}; the checkpoint is corrupt"
             )
+
+    def _iter_checked_ahead(
+        self, entry: Entry, node: str, table: np.ndarray, out: np.ndarray | None, reuse: bool
+    ) -> Iterator[tuple[Any, np.ndarray]]:
+        """Chunk by chunk, each checked against the CRC table in a worker thread while the next
+        chunk is read (crc32c releases the GIL); a chunk is yielded only once checked. With
+        ``reuse``, two scratch buffers alternate. Returns the digest derived from the table."""
+        reader: Any = self._reader
+        pair = (2,) if entry.format.words_per_value == 2 else ()
+        scratch: list[np.ndarray | None] = [None, None]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lean_store-crc-read")
+        crc = 0
+        pending: tuple[Any, np.ndarray, Any] | None = None
+        try:
+            for i, (region, selection) in enumerate(self._read_units(entry)):
+                shape = selection.count + pair
+                if out is not None:
+                    into = out[region]
+                elif reuse:
+                    n = math.prod(shape)
+                    buf = scratch[i % 2]
+                    if buf is None or buf.size < n:
+                        buf = scratch[i % 2] = np.empty(n, entry.format.storage_dtype)
+                    into = buf[:n].reshape(shape)
+                else:
+                    into = np.empty(shape, entry.format.storage_dtype)
+                words = reader.read_unchecked(node, selection, entry.format, into)
+                previous = pending
+                pending = (region, words, self._pool.submit(reader.check_chunk, node, i, words))
+                crc = crc32c_combine(crc, int(table[i]), words.nbytes)
+                if previous is not None:
+                    previous[2].result()  # IntegrityError before the chunk is handed out
+                    yield previous[0], previous[1]
+            if pending is not None:
+                pending[2].result()
+                yield pending[0], pending[1]
+                pending = None
+        finally:
+            if pending is not None:  # no buffer is reused while the worker still reads it
+                pending[2].exception()
+        return crc
 
     def _units_are_chunks(self, entry: Entry) -> bool:
         shape = stored_rank_shape(entry)
@@ -443,6 +493,9 @@ class Checkpoint(Mapping[str, TensorHandle]):
         return to_xarray(self)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         self._reader.close()
 
     def __enter__(self) -> Checkpoint:
@@ -453,6 +506,12 @@ class Checkpoint(Mapping[str, TensorHandle]):
 
     def __repr__(self) -> str:
         return f"<lean_store.Checkpoint {self.backend} {str(self.path)!r} {len(self)} tensors>"
+
+
+def _worth_overlap(stored: StoredTensor, entry: Entry) -> bool:
+    """Several chunks of at least OVERLAP_CRC_BYTES: checking one while reading the next pays."""
+    chunk_bytes = math.prod(stored.chunk_shape) * entry.format.storage_dtype.itemsize
+    return entry.nbytes > chunk_bytes >= OVERLAP_CRC_BYTES
 
 
 def _is_row_block(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
