@@ -38,7 +38,7 @@ from ..formats import ScalarFormat
 from ..hardening import check_hdf5_present, read_hdf5_attrs
 from ..layout import Entry
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
-from .hdf5_types import hdf5_type, needs_nbit, storage_kind
+from .hdf5_types import hdf5_type, needs_nbit
 
 _FLETCHER32 = Fletcher32()  # HDF5's fletcher32, appended after the chunk as HDF5 stores it
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
@@ -564,7 +564,3 @@ def _touched_chunks(selection: Selection, chunks: tuple[int, ...]) -> Iterator[t
         else:
             axes.append(sorted({(a + k * st) // c for k in range(n)}))
     return itertools.product(*axes)
-
-
-def storage_description(fmt: ScalarFormat) -> str:
-    return storage_kind(fmt)

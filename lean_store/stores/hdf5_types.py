@@ -10,7 +10,6 @@ read). Types narrower than their container carry a precision, and the N-bit filt
 
 from __future__ import annotations
 
-import h5py
 import numpy as np
 from h5py import h5t
 
@@ -80,8 +79,4 @@ def needs_nbit(fmt: ScalarFormat) -> bool:
     return fmt.word_width < 8 * fmt.storage_dtype.itemsize
 
 
-def same_type(a: h5t.TypeID, b: h5t.TypeID) -> bool:
-    return bool(a == b)
-
-
-__all__ = ["hdf5_type", "is_hdf5_float", "needs_nbit", "same_type", "storage_kind", "h5py"]
+__all__ = ["hdf5_type", "is_hdf5_float", "needs_nbit", "storage_kind"]

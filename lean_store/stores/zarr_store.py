@@ -35,7 +35,6 @@ from ..zarr_direct import DirectWriter, direct_ok
 from ..zarr_direct_read import DirectReader, direct_read_ok
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
 
-NATIVE_KINDS = "fiub c"
 SHARD_FACTOR = 8  # chunks per shard along the split axis, for tensors above SHARD_MIN_CHUNKS
 SHARD_MIN_CHUNKS = 8
 
