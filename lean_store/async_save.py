@@ -12,14 +12,29 @@ its parameters right away:
 - ``"auto"`` (default): ``"device"`` when every CUDA device has room for its tensors (with 10 %
   to spare), else ``"host"``.
 - ``"none"``: no copy at all; the caller must not modify the state until ``wait()`` returns.
+
+A save still running when the interpreter exits (the script ends, raises, or calls
+``sys.exit``) is finished before the interpreter goes on to shut down, and the exit status stays
+the script's own. Why this needs a hook: at exit CPython first runs the functions registered
+with ``threading._register_atexit``, in reverse order, and only then joins non-daemon threads.
+``concurrent.futures`` registers one there that makes every thread pool refuse new work
+("cannot schedule new futures after interpreter shutdown"), and the writer needs pools (its
+CRC-32C pool, zarr's I/O executor). A non-daemon thread alone is therefore joined too late: its
+pools have been shut down under it. So this module registers, after ``concurrent.futures``, a
+hook that waits for every running save; being registered later, it runs first. A save that
+failed and was never waited for is reported on stderr at exit, naming its path.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+
+# ThreadPoolExecutor: imported (so concurrent.futures registers its exit hook) before ours
+from concurrent.futures import Future, ThreadPoolExecutor  # noqa: F401
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
@@ -33,26 +48,86 @@ from .layout import Layout
 SNAPSHOTS = ("auto", "device", "host", "none")
 
 
+_LOCK = threading.Lock()
+_RUNNING: dict[int, threading.Thread] = {}  # saves in progress, by handle number
+_UNSEEN_FAILURES: dict[int, str] = {}  # failed saves nobody waited for: their one-line report
+_NUMBERS = itertools.count()
+
+
+def _finish_pending_saves() -> None:
+    """At interpreter exit, before thread pools are shut down: let every running save finish,
+    then report on stderr each failed save whose error nobody has seen."""
+    while True:
+        with _LOCK:
+            threads = list(_RUNNING.values())
+        if not threads:
+            break
+        for thread in threads:
+            thread.join()
+    with _LOCK:
+        reports = list(_UNSEEN_FAILURES.values())
+        _UNSEEN_FAILURES.clear()
+    for report in reports:
+        try:
+            print(f"lean_store: {report}", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # stderr closed: nothing left to tell
+            pass
+
+
+def _register_exit_hook() -> None:
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:  # CPython 3.9+: runs before concurrent.futures' own hook
+        register(_finish_pending_saves)
+    else:  # pragma: no cover - other interpreters: a running save may then fail, visibly
+        import atexit
+
+        atexit.register(_finish_pending_saves)
+
+
+_register_exit_hook()
+
+
 class SaveHandle:
     """A save running in a background thread. ``wait()`` returns the :class:`Layout` written or
-    re-raises the writer's exception; ``done()`` tells whether it has finished."""
+    re-raises the writer's exception; ``done()`` tells whether it has finished. A save still
+    running at interpreter exit is finished first (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike, run: Callable[[], Layout]) -> None:
         self.path = Path(path)
         self._future: Future[Layout] = Future()
-        # not a daemon: the interpreter waits for a running save rather than dropping it
+        self._number = next(_NUMBERS)
+        # not a daemon, and waited for by the exit hook before thread pools stop
         self._thread = threading.Thread(
             target=self._run, args=(run,), name=f"lean_store-save-{self.path.name}"
         )
-        self._thread.start()
+        with _LOCK:
+            _RUNNING[self._number] = self._thread
+        try:
+            self._thread.start()
+        except BaseException:
+            with _LOCK:
+                del _RUNNING[self._number]
+            raise
 
     def _run(self, run: Callable[[], Layout]) -> None:
         try:
             result = run()
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            with _LOCK:
+                _UNSEEN_FAILURES[self._number] = (
+                    f"the background save to {self.path} failed and was never waited for: "
+                    f"{type(exc).__name__}: {exc}"
+                )
             self._future.set_exception(exc)
         else:
             self._future.set_result(result)
+        finally:
+            with _LOCK:
+                _RUNNING.pop(self._number, None)
+
+    def _seen(self) -> None:
+        with _LOCK:
+            _UNSEEN_FAILURES.pop(self._number, None)
 
     def done(self) -> bool:
         """True once the write has finished, successfully or not."""
@@ -61,16 +136,22 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> Layout:
         """Block until the checkpoint is committed; re-raise the writer's error if it failed."""
         try:
-            return self._future.result(timeout)
+            result = self._future.result(timeout)
         except FutureTimeout:
             raise TimeoutError(f"save to {self.path} still running after {timeout} s") from None
+        except BaseException:
+            self._seen()
+            raise
+        return result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The writer's error, or None; waits like :meth:`wait`."""
         try:
-            return self._future.exception(timeout)
+            exc = self._future.exception(timeout)
         except FutureTimeout:
             raise TimeoutError(f"save to {self.path} still running after {timeout} s") from None
+        self._seen()
+        return exc
 
     def __enter__(self) -> SaveHandle:
         return self

@@ -167,8 +167,13 @@ def write_source(
                 continue
             # one pass: the unit's CRC, combined into the digest; large units have it computed
             # on another core while the store writes them (crc32c releases the GIL)
+            pending = None
             if bits.nbytes >= OVERLAP_CRC_BYTES:
-                pending = crc_pool.submit(crc32c_of, bits)
+                try:
+                    pending = crc_pool.submit(crc32c_of, bits)
+                except RuntimeError:  # pools refuse work once interpreter shutdown has begun
+                    pass
+            if pending is not None:
                 try:
                     sink.write(region, bits, pending.result)
                 finally:  # the CRC reads ``bits``: done before its buffer can be reused

@@ -17,13 +17,15 @@ from __future__ import annotations
 import os
 import re
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import BACKENDS
-from .errors import CheckpointError
+from .errors import CheckpointError, ForeignPathError
 from .stores.base import remove_path
+from .stores.target import check_replaceable
 from .training import SCHEDULED, TrainingInfo, load_training, save_training
 
 _SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
@@ -107,6 +109,8 @@ class Checkpointer:
         if existing is not None and not overwrite:
             raise CheckpointError(f"step {step} already exists at {existing}; pass overwrite=True")
         path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
+        if existing is not None and existing != path:
+            check_replaceable(existing)  # it is removed after the save: refuse before it
         save_training(path, model=model, optimizer=optimizer, scheduler=scheduler, step=step,
                       rng=rng, data=data, extra=extra, generators=generators,
                       backend=self.backend, compression=compression, progress=progress)
@@ -148,6 +152,8 @@ class Checkpointer:
                 raise CheckpointError(f"step {step} already exists at {existing}; "
                                       "pass overwrite=True")
             path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
+            if existing is not None and existing != path:
+                check_replaceable(existing)
             return [str(path), None if existing is None else str(existing)]
 
         path, existing = self._on_rank0(comm, check)
@@ -167,9 +173,14 @@ class Checkpointer:
             return
         entries = self._entries()
         for step in sorted(entries)[: max(0, len(entries) - self.keep_last)]:
-            self._remove(entries[step])
+            try:
+                self._remove(entries[step])
+            except ForeignPathError as exc:  # the save itself succeeded: keep it, and say so
+                warnings.warn(f"not pruning step {step}: {exc}", stacklevel=3)
 
     def _remove(self, path: Path) -> None:
+        """Delete a step, only if it holds a lean_store checkpoint (else ForeignPathError)."""
+        check_replaceable(path)
         # rename aside first: a crash mid-delete never leaves a half-deleted visible step
         dead = path.with_name(f".{path.name}.lean_store-dead-{uuid.uuid4().hex}")
         os.rename(path, dead)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class CheckpointError(Exception):
     """Base class of every error lean_store raises on purpose."""
@@ -28,3 +31,41 @@ class IntegrityError(CheckpointError):
 
 class UnsafeFileError(IntegrityError):
     """A file tries to reach outside the checkpoint or to make the reader allocate absurd sizes."""
+
+
+class ForeignPathError(CheckpointError):
+    """A save would replace something that is not a lean_store checkpoint; it is left untouched.
+
+    ``path`` is the target, ``found`` says what is there (a directory with N entries, a regular
+    file, a non-lean_store HDF5 file, a symbolic link, ...).
+    """
+
+    def __init__(self, path: object, found: str) -> None:
+        self.path = str(path)
+        self.found = found
+        super().__init__(
+            f"refusing to replace {self.path}: it is {found}, not a lean_store checkpoint; "
+            "lean_store replaces only its own checkpoints (and empty directories). Remove it "
+            "first to overwrite it on purpose, or save to another path"
+        )
+
+
+class SaveIOError(CheckpointError, OSError):
+    """The operating system refused a write of a save (read-only file system, full disk, ...).
+
+    An :class:`OSError` too: ``errno`` and ``strerror`` are the original error's, ``filename``
+    is the target path (never the hidden temporary, which has been removed).
+    """
+
+    def __init__(self, path: object, cause: OSError) -> None:
+        code = cause.errno
+        reason = os.strerror(code) if isinstance(code, int) else str(cause)
+        super().__init__(code, reason, str(path))
+        name = errno.errorcode.get(code, "") if isinstance(code, int) else ""
+        self.message = (
+            f"cannot save to {path}: {reason}{f' ({name})' if name else ''}; nothing was "
+            "written there and the previous contents, if any, are untouched"
+        )
+
+    def __str__(self) -> str:
+        return self.message

@@ -14,8 +14,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SaveIOError
 from ..stores.base import fsync_tree, remove_path, replace_atomically
+from ..stores.target import check_replaceable
 
 STORAGE_OPTIONS = {"auto_mkdir": True}
 
@@ -45,8 +46,12 @@ class Location:
         final = Path(path)
         if not final.parent.is_dir():
             raise CheckpointError(f"cannot save to {path}: directory {final.parent} does not exist")
+        check_replaceable(final, directory=True)  # again when committing
         tmp = final.with_name(f".{final.name}.lean_store-tmp-{uuid.uuid4().hex}")
-        tmp.mkdir()
+        try:
+            tmp.mkdir()
+        except OSError as exc:
+            raise SaveIOError(path, exc) from exc
         return cls(path, str(tmp))
 
     @property
@@ -56,8 +61,13 @@ class Location:
     def commit(self) -> None:
         """Rank 0, after the commit marker was written into ``work``."""
         if self.local:
-            fsync_tree(Path(self.work))
-            replace_atomically(Path(self.work), Path(self.path))
+            try:
+                fsync_tree(Path(self.work))
+                replace_atomically(Path(self.work), Path(self.path))
+            except OSError as exc:
+                if isinstance(exc, CheckpointError):
+                    raise
+                raise SaveIOError(self.path, exc) from exc
 
     def abort(self) -> None:
         """Rank 0: remove everything written; the previous checkpoint is untouched."""

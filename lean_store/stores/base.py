@@ -15,6 +15,8 @@ import shutil
 import sys
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..chunking import Region
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SaveIOError
 from ..layout import Entry
 
 FORMAT_NAME = "lean_store"
@@ -91,6 +93,7 @@ class StoreWriter(ABC):
     """Creates a checkpoint at a temporary sibling and commits it atomically."""
 
     backend: str = ""
+    makes_directory: bool = False  # the checkpoint is a directory tree (else a single file)
 
     def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any) -> None:
         self.path = Path(path)
@@ -98,6 +101,23 @@ class StoreWriter(ABC):
         self.compression = compression
         self.tmp_path = self.path.with_name(f".{self.path.name}.lean_store-tmp-{uuid.uuid4().hex}")
         self._done = False
+        from .target import check_replaceable
+
+        # before any byte is written; again at the commit
+        check_replaceable(self.path, directory=self.makes_directory)
+
+    @contextmanager
+    def _creating(self) -> Iterator[None]:
+        """Wrap the creation of the temporary copy (in a subclass's ``__init__``): on failure,
+        remove whatever was created and name the target, not the temporary."""
+        try:
+            yield
+        except BaseException as exc:
+            discard_temporary(self.tmp_path)
+            self._done = True
+            if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+                raise SaveIOError(self.path, exc) from exc
+            raise
 
     @abstractmethod
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
@@ -122,7 +142,7 @@ class StoreWriter(ABC):
         try:
             self._close_quietly()
         finally:
-            remove_path(self.tmp_path)
+            discard_temporary(self.tmp_path)
 
     def _close_quietly(self) -> None:  # noqa: B027 # pragma: no cover - overridden
         pass
@@ -133,6 +153,8 @@ class StoreWriter(ABC):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
             self.abort()
+            if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+                raise SaveIOError(self.path, exc) from exc
 
 
 class StoreReader(ABC):
@@ -172,13 +194,22 @@ class StoreReader(ABC):
 
 
 def remove_path(path: Path) -> None:
+    """Remove a file, link or tree if it exists (a tree: as much of it as can be removed)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    else:
+    elif os.path.lexists(path):
         try:
             path.unlink()
         except FileNotFoundError:
             pass
+
+
+def discard_temporary(path: Path) -> None:
+    """Best-effort removal of a temporary after a failure: never masks the first error."""
+    try:
+        remove_path(path)
+    except OSError:
+        pass
 
 
 def fsync_tree(path: Path) -> None:
@@ -217,10 +248,13 @@ def replace_atomically(tmp: Path, target: Path) -> None:
     """Move ``tmp`` to ``target``. Files: one atomic rename. Directories: one atomic exchange
     (Linux ``renameat2(RENAME_EXCHANGE)``), then the old tree, now at ``tmp``, is removed. Where
     the exchange is unsupported the old tree is renamed aside first (``.NAME.lean_store-old-*``):
-    a crash between the two renames leaves no checkpoint at ``target`` (see docs/SECURITY.md)."""
+    a crash between the two renames leaves no checkpoint at ``target`` (see docs/SECURITY.md).
+    Whatever is at ``target`` must be a lean_store checkpoint or an empty directory
+    (:func:`lean_store.stores.target.check_replaceable`); anything else is left untouched."""
+    from .target import check_replaceable
+
+    check_replaceable(target, directory=tmp.is_dir())
     if tmp.is_dir() and target.exists():
-        if not target.is_dir() or target.is_symlink():
-            raise CheckpointError(f"cannot replace {target}: it is not a directory")
         if _exchange(tmp, target):
             _fsync_dir(target.parent)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -231,8 +265,6 @@ def replace_atomically(tmp: Path, target: Path) -> None:
         _fsync_dir(target.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
-        if target.is_dir() and not target.is_symlink():
-            raise CheckpointError(f"cannot replace directory {target} with a file")
         os.replace(tmp, target)
     _fsync_dir(target.parent)
 

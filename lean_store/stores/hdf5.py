@@ -196,7 +196,8 @@ class HDF5Writer(StoreWriter):
             raise CheckpointError(f"unknown HDF5 checksum {checksum!r}; use one of {CHECKSUMS}")
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
         self._fletcher32 = checksum == "fletcher32+crc32c"
-        self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, track_order=True)
+        with self._creating():
+            self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, track_order=True)
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         from ..naming import node_name

@@ -113,11 +113,13 @@ def _plain(attrs: dict[str, Any]) -> dict[str, Any]:
 
 class ZarrWriter(StoreWriter):
     backend = "zarr"
+    makes_directory = True
 
     def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None):
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
         self._compressors = _compressors(compression)
-        self._group = zarr.open_group(store=str(self.tmp_path), mode="w-", zarr_format=3)
+        with self._creating():
+            self._group = zarr.open_group(store=str(self.tmp_path), mode="w-", zarr_format=3)
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         from ..naming import node_name

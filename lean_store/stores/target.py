@@ -1,0 +1,191 @@
+"""What a save may replace: nothing but a lean_store checkpoint (or an empty directory).
+
+Every writer that publishes at a path (the single-file and Zarr stores, sharded saves, the
+``Checkpointer``) asks :func:`check_replaceable` before it starts and again just before it
+commits. A checkpoint is recognised by its root metadata, the ``lean_store`` attribute that every
+writer puts at the root:
+
+- an HDF5 file whose root attribute ``lean_store`` is the fixed-length string ``"lean_store"``;
+- a directory whose ``zarr.json`` is a Zarr v3 group with ``attributes.lean_store`` equal to
+  ``"lean_store"`` (single-process and sharded Zarr checkpoints);
+- a directory holding such an HDF5 file as ``lean_store.h5`` (a sharded HDF5 checkpoint).
+
+Anything else (a directory with entries, a regular file, a foreign HDF5 file, a symbolic link,
+a FIFO, ...) raises :class:`~lean_store.errors.ForeignPathError` and is not touched. An empty
+directory holds nothing to lose and may be replaced by a directory store. The probe reads at most
+one small attribute or one bounded JSON file, never follows a symbolic link, and never opens
+anything but a regular file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+from ..errors import CheckpointError, ForeignPathError
+from .base import FORMAT_NAME
+
+SHARDED_HDF5_MASTER = "lean_store.h5"  # the master file of a sharded HDF5 checkpoint
+MAX_ZARR_JSON = 256 << 20  # a root zarr.json larger than this is not one lean_store wrote
+_SHOWN_ENTRIES = 3
+
+
+def check_replaceable(path: str | os.PathLike, *, directory: bool | None = None) -> None:
+    """Raise :class:`ForeignPathError` unless ``path`` is absent, an empty directory, or a
+    lean_store checkpoint. ``directory``: whether the new checkpoint is a directory (True) or
+    a file (False); a checkpoint of the other kind is refused too (None: not checked)."""
+    target = Path(path)
+    found = occupant(target)
+    if found is not None:
+        raise ForeignPathError(path, found)
+    if directory is None or not os.path.lexists(target):
+        return
+    if directory and not target.is_dir():
+        raise CheckpointError(
+            f"cannot replace {path} with a directory store: it is a checkpoint file; remove it "
+            "first to overwrite it on purpose, or save to another path"
+        )
+    if not directory and target.is_dir():
+        what = "an empty directory" if not any(target.iterdir()) else "a checkpoint directory"
+        raise CheckpointError(
+            f"cannot replace {path} with a single-file checkpoint: it is {what}; remove it "
+            "first to overwrite it on purpose, or save to another path"
+        )
+
+
+def occupant(path: Path) -> str | None:
+    """None when a save may replace ``path``, else what is there, in words."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    mode = st.st_mode
+    if stat.S_ISLNK(mode):
+        return f"a symbolic link (to {os.readlink(path)!r}); lean_store does not replace links"
+    if stat.S_ISREG(mode):
+        return _file_occupant(path, st.st_size)
+    if stat.S_ISDIR(mode):
+        return _dir_occupant(path)
+    return _special_kind(mode)
+
+
+def is_checkpoint(path: Path) -> bool:
+    """True when ``path`` (not followed if a link) holds a lean_store checkpoint."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    if stat.S_ISREG(st.st_mode):
+        return _hdf5_is_lean_store(path)
+    if stat.S_ISDIR(st.st_mode):
+        return _dir_is_lean_store(path)
+    return False
+
+
+def _file_occupant(path: Path, size: int) -> str | None:
+    import h5py
+
+    if size == 0:
+        return "an empty regular file"
+    if not _is_hdf5(path, h5py):
+        return f"a regular file of {size} bytes that is not HDF5"
+    if _hdf5_is_lean_store(path):
+        return None
+    return f"an HDF5 file of {size} bytes without lean_store's root metadata"
+
+
+def _dir_occupant(path: Path) -> str | None:
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as exc:
+        return f"a directory that cannot be listed ({exc.strerror})"
+    if not names:
+        return None
+    if _dir_is_lean_store(path):
+        return None
+    shown = ", ".join(repr(n) for n in names[:_SHOWN_ENTRIES])
+    more = ", ..." if len(names) > _SHOWN_ENTRIES else ""
+    what = "entry" if len(names) == 1 else "entries"
+    return f"a directory with {len(names)} {what} ({shown}{more})"
+
+
+def _dir_is_lean_store(path: Path) -> bool:
+    return _zarr_is_lean_store(path / "zarr.json") or _hdf5_is_lean_store(
+        path / SHARDED_HDF5_MASTER
+    )
+
+
+def _regular(path: Path) -> int | None:
+    """The size of ``path`` when it is a regular file (not a link), else None."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _zarr_is_lean_store(meta: Path) -> bool:
+    size = _regular(meta)
+    if size is None or size > MAX_ZARR_JSON:
+        return False
+    try:
+        doc = json.loads(meta.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    if not isinstance(doc, dict) or doc.get("zarr_format") != 3:
+        return False
+    if doc.get("node_type") != "group":
+        return False
+    attrs = doc.get("attributes")
+    return isinstance(attrs, dict) and attrs.get("lean_store") == FORMAT_NAME
+
+
+def _is_hdf5(path: Path, h5py: object) -> bool:
+    try:
+        return bool(h5py.is_hdf5(str(path)))  # type: ignore[attr-defined]
+    except (OSError, ValueError):
+        return False
+
+
+def _hdf5_is_lean_store(path: Path) -> bool:
+    """Read the root attribute ``lean_store`` of an HDF5 file, when it is a short fixed-length
+    string (what lean_store writes; a variable-length string would be read from the global heap,
+    which lean_store never touches in a file it did not vet)."""
+    import h5py
+
+    if _regular(path) is None or not _is_hdf5(path, h5py):
+        return False
+    try:
+        with h5py.File(path, "r") as f:
+            if FORMAT_NAME not in f.attrs:
+                return False
+            aid = f.attrs.get_id(FORMAT_NAME)
+            info = h5py.check_string_dtype(aid.dtype)
+            if info is None or info.length is None or info.length > 64 or aid.shape != ():
+                return False
+            value = f.attrs[FORMAT_NAME]
+    except Exception:  # noqa: BLE001 - h5py raises many types for damaged files
+        return False
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return value == FORMAT_NAME
+
+
+def _special_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    for test, words in kinds:
+        if test(mode):
+            return words
+    return "a special file"
+
+
+__all__ = ["check_replaceable", "is_checkpoint", "occupant"]
