@@ -203,9 +203,10 @@ def save_async(
 ) -> SaveHandle:
     """Snapshot ``obj`` and save it in a background thread; returns a :class:`SaveHandle`.
 
-    Bad input (names, formats, backend, a missing directory) raises here, before any thread
-    starts; write errors are raised by ``handle.wait()``. The target path is replaced
-    atomically when the write commits, as with :func:`lean_store.save`.
+    Bad input (names, formats, backend, a missing directory, a target that is not a lean_store
+    checkpoint) raises here, before any thread starts; write errors are raised by
+    ``handle.wait()``. The target path is replaced atomically when the write commits, as with
+    :func:`lean_store.save`.
     """
     from .checkpoint import backend_for, write_source
     from .naming import check_names
@@ -219,6 +220,9 @@ def save_async(
     parent = Path(path).parent
     if not parent.is_dir():
         raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
+    from .stores.target import check_replaceable
+
+    check_replaceable(path, directory=backend == "zarr")  # a foreign path: refused here
     kind = "module" if callable(getattr(obj, "state_dict", None)) else "state"
     frozen = tensor_source(snapshot_of(obj, snapshot))
 

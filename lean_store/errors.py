@@ -37,16 +37,21 @@ class ForeignPathError(CheckpointError):
     """A save would replace something that is not a lean_store checkpoint; it is left untouched.
 
     ``path`` is the target, ``found`` says what is there (a directory with N entries, a regular
-    file, a non-lean_store HDF5 file, a symbolic link, ...).
+    file, a non-lean_store HDF5 file, a symbolic link, ...). Built with :meth:`at`.
     """
 
-    def __init__(self, path: object, found: str) -> None:
-        self.path = str(path)
+    def __init__(self, message: str, *, path: str | None = None, found: str | None = None):
+        super().__init__(message)
+        self.path = path
         self.found = found
-        super().__init__(
-            f"refusing to replace {self.path}: it is {found}, not a lean_store checkpoint; "
+
+    @classmethod
+    def at(cls, path: object, found: str) -> ForeignPathError:
+        return cls(
+            f"refusing to replace {path}: it is {found}, not a lean_store checkpoint; "
             "lean_store replaces only its own checkpoints (and empty directories). Remove it "
-            "first to overwrite it on purpose, or save to another path"
+            "first to overwrite it on purpose, or save to another path",
+            path=str(path), found=found,
         )
 
 
@@ -54,17 +59,26 @@ class SaveIOError(CheckpointError, OSError):
     """The operating system refused a write of a save (read-only file system, full disk, ...).
 
     An :class:`OSError` too: ``errno`` and ``strerror`` are the original error's, ``filename``
-    is the target path (never the hidden temporary, which has been removed).
+    is the target path (never the hidden temporary, which has been removed). Built with
+    :meth:`wrapping`.
     """
 
-    def __init__(self, path: object, cause: OSError) -> None:
-        code = cause.errno
-        reason = os.strerror(code) if isinstance(code, int) else str(cause)
-        super().__init__(code, reason, str(path))
-        name = errno.errorcode.get(code, "") if isinstance(code, int) else ""
-        self.message = (
+    def __init__(self, message: str, code: int | None = None, filename: str | None = None):
+        if code is None:  # rebuilt from its message alone (another rank's report)
+            super().__init__(message)
+        else:
+            super().__init__(code, os.strerror(code), filename)
+        self.message = message
+
+    @classmethod
+    def wrapping(cls, path: object, cause: OSError) -> SaveIOError:
+        code = cause.errno if isinstance(cause.errno, int) else None
+        reason = os.strerror(code) if code is not None else str(cause)
+        name = errno.errorcode.get(code, "") if code is not None else ""
+        return cls(
             f"cannot save to {path}: {reason}{f' ({name})' if name else ''}; nothing was "
-            "written there and the previous contents, if any, are untouched"
+            "written there and the previous contents, if any, are untouched",
+            code, str(path),
         )
 
     def __str__(self) -> str:

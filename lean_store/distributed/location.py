@@ -51,7 +51,7 @@ class Location:
         try:
             tmp.mkdir()
         except OSError as exc:
-            raise SaveIOError(path, exc) from exc
+            raise SaveIOError.wrapping(path, exc) from exc
         return cls(path, str(tmp))
 
     @property
@@ -67,7 +67,7 @@ class Location:
             except OSError as exc:
                 if isinstance(exc, CheckpointError):
                     raise
-                raise SaveIOError(self.path, exc) from exc
+                raise SaveIOError.wrapping(self.path, exc) from exc
 
     def abort(self) -> None:
         """Rank 0: remove everything written; the previous checkpoint is untouched."""

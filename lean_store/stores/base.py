@@ -116,7 +116,7 @@ class StoreWriter(ABC):
             discard_temporary(self.tmp_path)
             self._done = True
             if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
-                raise SaveIOError(self.path, exc) from exc
+                raise SaveIOError.wrapping(self.path, exc) from exc
             raise
 
     @abstractmethod
@@ -154,7 +154,7 @@ class StoreWriter(ABC):
         if exc_type is not None:
             self.abort()
             if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
-                raise SaveIOError(self.path, exc) from exc
+                raise SaveIOError.wrapping(self.path, exc) from exc
 
 
 class StoreReader(ABC):

@@ -39,7 +39,7 @@ def check_replaceable(path: str | os.PathLike, *, directory: bool | None = None)
     target = Path(path)
     found = occupant(target)
     if found is not None:
-        raise ForeignPathError(path, found)
+        raise ForeignPathError.at(path, found)
     if directory is None or not os.path.lexists(target):
         return
     if directory and not target.is_dir():
