@@ -14,7 +14,15 @@ from .async_save import SaveHandle, save_async
 from .checkpoint import Checkpoint, LoadResult, TensorHandle, load, load_state, open, save
 from .checkpointer import Checkpointer
 from .encoded import Encoded
-from .errors import CheckpointError, FormatError, IntegrityError, LayoutError, UnsafeFileError
+from .errors import (
+    CheckpointError,
+    ForeignPathError,
+    FormatError,
+    IntegrityError,
+    LayoutError,
+    SaveIOError,
+    UnsafeFileError,
+)
 from .formats import ScalarFormat
 from .layout import Difference, Entry, Layout
 from .training import TrainingInfo, load_optimizer, load_training, save_optimizer, save_training
@@ -27,12 +35,14 @@ __all__ = [
     "Difference",
     "Encoded",
     "Entry",
+    "ForeignPathError",
     "FormatError",
     "IntegrityError",
     "Layout",
     "LayoutError",
     "LoadResult",
     "SaveHandle",
+    "SaveIOError",
     "ScalarFormat",
     "TensorHandle",
     "TrainingInfo",
