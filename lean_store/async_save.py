@@ -49,7 +49,7 @@ SNAPSHOTS = ("auto", "device", "host", "none")
 
 
 _LOCK = threading.Lock()
-_RUNNING: dict[int, threading.Thread] = {}  # saves in progress, by handle number
+_RUNNING: dict[int, tuple[threading.Thread, Path]] = {}  # saves in progress, by handle number
 _UNSEEN_FAILURES: dict[int, str] = {}  # failed saves nobody waited for: their one-line report
 _NUMBERS = itertools.count()
 
@@ -59,11 +59,17 @@ def _finish_pending_saves() -> None:
     then report on stderr each failed save whose error nobody has seen."""
     while True:
         with _LOCK:
-            threads = list(_RUNNING.values())
-        if not threads:
+            running = list(_RUNNING.values())
+        if not running:
             break
-        for thread in threads:
-            thread.join()
+        for thread, path in running:
+            try:
+                thread.join()
+            except KeyboardInterrupt:
+                print(f"lean_store: interrupted while finishing the background save to {path}; "
+                      "it is abandoned (a hidden temporary may remain)", file=sys.stderr,
+                      flush=True)
+                raise
     with _LOCK:
         reports = list(_UNSEEN_FAILURES.values())
         _UNSEEN_FAILURES.clear()
@@ -101,7 +107,7 @@ class SaveHandle:
             target=self._run, args=(run,), name=f"lean_store-save-{self.path.name}"
         )
         with _LOCK:
-            _RUNNING[self._number] = self._thread
+            _RUNNING[self._number] = (self._thread, self.path)
         try:
             self._thread.start()
         except BaseException:

@@ -65,7 +65,7 @@ class Location:
                 fsync_tree(Path(self.work))
                 replace_atomically(Path(self.work), Path(self.path))
             except OSError as exc:
-                if isinstance(exc, CheckpointError):
+                if isinstance(exc, CheckpointError) or exc.errno is None:
                     raise
                 raise SaveIOError.wrapping(self.path, exc) from exc
 

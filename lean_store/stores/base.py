@@ -115,7 +115,7 @@ class StoreWriter(ABC):
         except BaseException as exc:
             discard_temporary(self.tmp_path)
             self._done = True
-            if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            if _refused_by_os(exc):
                 raise SaveIOError.wrapping(self.path, exc) from exc
             raise
 
@@ -153,7 +153,7 @@ class StoreWriter(ABC):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
             self.abort()
-            if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+            if _refused_by_os(exc):
                 raise SaveIOError.wrapping(self.path, exc) from exc
 
 
@@ -191,6 +191,12 @@ class StoreReader(ABC):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _refused_by_os(exc: BaseException) -> bool:
+    """An OSError carrying an errno (the operating system's refusal), not already ours."""
+    return (isinstance(exc, OSError) and isinstance(exc.errno, int)
+            and not isinstance(exc, CheckpointError))
 
 
 def remove_path(path: Path) -> None:
