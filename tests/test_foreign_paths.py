@@ -75,6 +75,14 @@ def make_foreign_hdf5(path: Path) -> None:
         f.attrs["lean_store"] = "not really"  # a look-alike attribute is not enough
 
 
+def make_truncated_checkpoint(path: Path) -> None:
+    """A damaged checkpoint cannot be recognised as one: refused, to be removed by hand."""
+    whole = path.with_name("whole.h5")
+    ls.save(state(), whole)
+    path.write_bytes(whole.read_bytes()[:200])
+    whole.unlink()
+
+
 OCCUPANTS = {
     "tree": (make_tree, r"a directory with 2 entries \('data', 'notes.txt'\)"),
     "text file": (lambda p: p.write_text("important"),
@@ -82,6 +90,7 @@ OCCUPANTS = {
     "empty file": (lambda p: p.write_bytes(b""), "an empty regular file"),
     "foreign hdf5": (make_foreign_hdf5, "an HDF5 file of .* bytes without lean_store's root"),
     "fifo": (lambda p: os.mkfifo(p), r"a FIFO \(named pipe\)"),
+    "truncated hdf5": (make_truncated_checkpoint, "an HDF5 file of 200 bytes that cannot be open"),
 }
 
 

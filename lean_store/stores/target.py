@@ -93,8 +93,11 @@ def _file_occupant(path: Path, size: int) -> str | None:
         return "an empty regular file"
     if not _is_hdf5(path, h5py):
         return f"a regular file of {size} bytes that is not HDF5"
-    if _hdf5_is_lean_store(path):
-        return None
+    try:
+        if _hdf5_is_lean_store(path, quiet=False):
+            return None
+    except Exception as exc:  # noqa: BLE001 - h5py raises many types for damaged files
+        return f"an HDF5 file of {size} bytes that cannot be opened ({exc})"
     return f"an HDF5 file of {size} bytes without lean_store's root metadata"
 
 
@@ -151,16 +154,23 @@ def _is_hdf5(path: Path, h5py: object) -> bool:
         return False
 
 
-def _hdf5_is_lean_store(path: Path) -> bool:
+def _hdf5_is_lean_store(path: Path, *, quiet: bool = True) -> bool:
     """Read the root attribute ``lean_store`` of an HDF5 file, when it is a short fixed-length
     string (what lean_store writes; a variable-length string would be read from the global heap,
-    which lean_store never touches in a file it did not vet)."""
+    which lean_store never touches in a file it did not vet). ``quiet``: False when a file that
+    cannot be opened should raise h5py's error rather than count as not lean_store's."""
     import h5py
 
     if _regular(path) is None or not _is_hdf5(path, h5py):
         return False
     try:
-        with h5py.File(path, "r") as f:
+        f = h5py.File(path, "r")
+    except Exception:  # noqa: BLE001 - h5py raises many types for damaged files
+        if quiet:
+            return False
+        raise
+    try:
+        with f:
             if FORMAT_NAME not in f.attrs:
                 return False
             aid = f.attrs.get_id(FORMAT_NAME)
