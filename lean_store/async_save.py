@@ -52,6 +52,7 @@ _LOCK = threading.Lock()
 _RUNNING: dict[int, tuple[threading.Thread, Path]] = {}  # saves in progress, by handle number
 _UNSEEN_FAILURES: dict[int, str] = {}  # failed saves nobody waited for: their one-line report
 _NUMBERS = itertools.count()
+_MAX_REASON = 2000  # characters of a failure reported at exit
 
 
 def _finish_pending_saves() -> None:
@@ -119,10 +120,13 @@ class SaveHandle:
         try:
             result = run()
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            reason = f"{type(exc).__name__}: {exc}"
+            if len(reason) > _MAX_REASON:
+                reason = reason[:_MAX_REASON] + " ..."
             with _LOCK:
                 _UNSEEN_FAILURES[self._number] = (
                     f"the background save to {self.path} failed and was never waited for: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{reason}"
                 )
             self._future.set_exception(exc)
         else:
