@@ -161,6 +161,11 @@ class StoreReader(ABC):
         keeps one and checks every chunk read against it, else None."""
         return None
 
+    def check_current(self) -> None:  # noqa: B027 - stores that read one open file: nothing
+        """Raise :class:`~lean_store.errors.CheckpointReplacedError` when the checkpoint this
+        reader opened has been replaced (or removed) at its path and what the reader fetched
+        since opening may come from another checkpoint."""
+
     @abstractmethod
     def close(self) -> None: ...
 
