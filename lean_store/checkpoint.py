@@ -494,15 +494,17 @@ class Checkpoint(Mapping[str, TensorHandle]):
         shape = stored_rank_shape(entry)
         pair = (2,) if entry.format.words_per_value == 2 else ()
         out = np.empty(shape + pair, dtype=entry.format.storage_dtype)
-        for _ in self.iter_bits(entry, out=out):  # each region is read in place
-            pass
+        with self._reader.checks_deferred():  # ``out`` is handed out only at the end
+            for _ in self.iter_bits(entry, out=out):  # each region is read in place
+                pass
         return out.reshape(entry.shape + pair)
 
     def verify(self) -> None:
         """Read every tensor and check every chunk checksum and digest."""
         for entry in self.layout:
-            for _ in self.iter_bits(entry, reuse=True):
-                pass
+            with self._reader.checks_deferred():
+                for _ in self.iter_bits(entry, reuse=True):
+                    pass
 
     def to_dask(self, name: str, *, decode: bool | None = None) -> Any:
         """A lazy dask array of tensor ``name``, chunked like the store (see ``analysis``)."""
@@ -649,8 +651,9 @@ def load(
         names = [n for n in expected.names() if n in ck.layout]
         if verify:  # every chunk and digest checked before the target changes at all
             for name in names:
-                for _ in ck.iter_bits(ck.layout[name], reuse=True):
-                    pass
+                with ck._reader.checks_deferred():
+                    for _ in ck.iter_bits(ck.layout[name], reuse=True):
+                        pass
         total = sum(ck.layout[n].nbytes for n in names)
         with make_progress(progress, f"load {Path(str(path)).name}", total) as bar:
             for name in names:

@@ -131,6 +131,46 @@ def test_zarr_python_reads_after_a_swap_are_original_or_refused(tmp_path, kind):
         assert _original_or_replaced(lambda: ck["b"].read(), 1, "b") == "replaced"
 
 
+@pytest.mark.parametrize("kind", ["direct", "compressed", "url"])
+def test_zarr_save_in_the_middle_of_a_whole_read(tmp_path, monkeypatch, kind):
+    """A save landing after a few chunks of a whole read: the original data or the replaced
+    error, never "corrupt" and never a mix (the url path checks once, at the end)."""
+    path, source, compression = _zarr_sources(tmp_path, kind)
+    _save(1, path, compression)
+    real = ZarrReader.read
+    calls = []
+
+    def save_after_three(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            _save(2, path, compression)
+        return real(self, *args, **kwargs)
+
+    with ls.open(source) as ck:
+        monkeypatch.setattr(ZarrReader, "read", save_after_three)
+        assert _original_or_replaced(lambda: ck["b"].read(), 1, "b") == "replaced"
+        assert len(calls) >= 4  # the save happened during the read
+
+
+def test_zarr_url_whole_read_checks_the_root_once(tmp_path, monkeypatch):
+    """Through a URL every check rereads the root metadata (a request on a remote store): a
+    whole read of 64 chunks checks once, a partial read once per read."""
+    from lean_store.zarr_replaced import SaveIdWatch
+
+    path = tmp_path / "run.zarr"
+    _save(1, path)
+    checks = []
+    real = SaveIdWatch.replaced
+    monkeypatch.setattr(SaveIdWatch, "replaced", lambda self: checks.append(1) or real(self))
+    with ls.open(f"file://{path}") as ck:
+        checks.clear()
+        assert generation_of("b", ck["b"].read()) == 1
+        assert len(checks) == 1
+        ck["b"][100:200]
+        ck["b"][30000:30001]
+        assert len(checks) == 3
+
+
 def test_zarr_removed_while_open_is_reported_as_such(tmp_path):
     import shutil
 

@@ -15,6 +15,8 @@ import shutil
 import sys
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +167,13 @@ class StoreReader(ABC):
         """Raise :class:`~lean_store.errors.CheckpointReplacedError` when the checkpoint this
         reader opened has been replaced (or removed) at its path and what the reader fetched
         since opening may come from another checkpoint."""
+
+    @contextmanager
+    def checks_deferred(self) -> Iterator[None]:
+        """Reads inside the block whose data nobody uses before it ends (a whole tensor read
+        into one buffer, a verify pass): a store that checks for replacement after every read
+        may check once, when the block ends without error, instead."""
+        yield
 
     @abstractmethod
     def close(self) -> None: ...

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +176,8 @@ class ZarrReader(StoreReader):
             raise
         self._arrays: dict[str, zarr.Array] = {}
         self._direct: dict[str, DirectReader | None] = {}
+        self._deferred = 0  # inside checks_deferred(): check once at the end
+        self._unchecked = False  # a read through the path not yet checked
 
     def _open(self, source: Any) -> None:
         # one walk of a local store, before zarr reads anything: no symlinks, bounded metadata
@@ -192,6 +196,20 @@ class ZarrReader(StoreReader):
     def check_current(self) -> None:
         """CheckpointReplacedError when the store at the path is no longer the one opened."""
         check_unchanged(self._watch, self._where)
+
+    @contextmanager
+    def checks_deferred(self) -> Iterator[None]:
+        """Reads inside are checked for replacement once, when the block ends without error
+        (for a remote store, one reread of the root instead of one per chunk)."""
+        outer = not self._deferred
+        self._deferred += 1
+        try:
+            yield
+        finally:
+            self._deferred -= 1
+        if outer and self._unchecked:
+            self._unchecked = False
+            self.check_current()
 
     def _close_watch(self) -> None:
         if self._watch is not None:
@@ -254,7 +272,10 @@ class ZarrReader(StoreReader):
             self.check_current()  # a file of the opened tree deleted by the save: not damage
             raise
         if not pinned:
-            self.check_current()
+            if self._deferred:
+                self._unchecked = True
+            else:
+                self.check_current()
         return words
 
     def _read(
