@@ -31,8 +31,9 @@ BACKENDS = ("hdf5", "zarr")
 _SUFFIXES = {".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", ".zarr": "zarr"}
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 OPEN_ATTEMPTS = 3
+"""Times ``open``, ``load`` and ``load_state`` start over when a save replaces the checkpoint
+while they read it."""
 T = TypeVar("T")
-"""Times ``open`` tries again when a save replaces the checkpoint while it is being opened."""
 
 
 def backend_for(path: str | os.PathLike, backend: str | None = None) -> str:

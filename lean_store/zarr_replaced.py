@@ -56,6 +56,7 @@ class PinnedRoot:
 
     def close(self) -> None:
         self._close()
+        self.fd = -1  # never a descriptor number that something else may reuse
 
 
 class SaveIdWatch:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -176,8 +177,9 @@ class ZarrReader(StoreReader):
             raise
         self._arrays: dict[str, zarr.Array] = {}
         self._direct: dict[str, DirectReader | None] = {}
-        self._deferred = 0  # inside checks_deferred(): check once at the end
-        self._unchecked = False  # a read through the path not yet checked
+        # per thread: inside checks_deferred() (depth), and a read not yet checked there
+        self._deferral = threading.local()
+        self._closed = False
 
     def _open(self, source: Any) -> None:
         # one walk of a local store, before zarr reads anything: no symlinks, bounded metadata
@@ -201,14 +203,16 @@ class ZarrReader(StoreReader):
     def checks_deferred(self) -> Iterator[None]:
         """Reads inside are checked for replacement once, when the block ends without error
         (for a remote store, one reread of the root instead of one per chunk)."""
-        outer = not self._deferred
-        self._deferred += 1
+        state = self._deferral
+        depth = getattr(state, "depth", 0)
+        if depth == 0:
+            state.unchecked = False
+        state.depth = depth + 1
         try:
             yield
         finally:
-            self._deferred -= 1
-        if outer and self._unchecked:
-            self._unchecked = False
+            state.depth = depth
+        if depth == 0 and state.unchecked:
             self.check_current()
 
     def _close_watch(self) -> None:
@@ -266,14 +270,16 @@ class ZarrReader(StoreReader):
         """Raw words of ``selection``, from the store that was opened: direct reads open files
         relative to the pinned root directory; any other read is handed out only if the store
         is unchanged after it. A store replaced meanwhile: CheckpointReplacedError."""
+        if self._closed:
+            raise CheckpointError(f"{self._where}: the checkpoint was closed")
         try:
             words, pinned = self._read(node, selection, fmt, out)
         except IntegrityError:
             self.check_current()  # a file of the opened tree deleted by the save: not damage
             raise
         if not pinned:
-            if self._deferred:
-                self._unchecked = True
+            if getattr(self._deferral, "depth", 0):
+                self._deferral.unchecked = True
             else:
                 self.check_current()
         return words
@@ -322,6 +328,7 @@ class ZarrReader(StoreReader):
         return self._direct[node]
 
     def close(self) -> None:
+        self._closed = True
         self._arrays.clear()
         self._direct.clear()
         self._close_watch()
