@@ -155,7 +155,7 @@ def test_zarr_save_in_the_middle_of_a_whole_read(tmp_path, monkeypatch, kind):
 def test_zarr_url_whole_read_checks_the_root_once(tmp_path, monkeypatch):
     """Through a URL every check rereads the root metadata (a request on a remote store): a
     whole read of 64 chunks checks once, a partial read once per read."""
-    from lean_store.zarr_replaced import SaveIdWatch
+    from lean_store.replacement import SaveIdWatch
 
     path = tmp_path / "run.zarr"
     _save(1, path)
@@ -318,6 +318,58 @@ def test_hdf5_pread_uses_the_descriptor_h5py_has_open(tmp_path):
         assert os.fstat(reader._fd).st_ino == os.stat(path).st_ino
     finally:
         reader.close()
+
+
+# ------------------------------------------------ checkpoints saved by lean_store.distributed
+
+
+SHARDED_SAVES = """
+import sys
+import numpy as np
+import torch.distributed as dist
+import lean_store as ls
+from lean_store.distributed.local_state import LocalShard
+
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[1])
+for path, gen in zip(sys.argv[2::2], sys.argv[3::2]):
+    values = np.arange(64 * 8, dtype=np.float32).reshape(64, 8) + 1000 * int(gen)
+    ls.save({"w": LocalShard(values, (64, 8), (0, 0))}, path)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def sharded_pairs(tmp_path_factory) -> Path:
+    """Generations 1 and 2 of a sharded checkpoint per backend (``run`` and ``fresh``), saved
+    by a one-rank torch.distributed world in a child process."""
+    pytest.importorskip("torch.distributed", reason="sharded saves need torch.distributed")
+    where = tmp_path_factory.mktemp("sharded")
+    paths = []
+    for suffix in SUFFIX.values():
+        paths += [str(where / f"run{suffix}"), "1", str(where / f"fresh{suffix}"), "2"]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, "-c", SHARDED_SAVES, str(where / "pg"), *paths], env=env,
+                   check=True, timeout=600)
+    return where
+
+
+@pytest.mark.parametrize("backend", ["hdf5", "zarr"])
+def test_sharded_checkpoint_replaced_while_open(sharded_pairs, backend):
+    """A sharded HDF5 checkpoint is a directory whose master file reads shard files by name
+    (HDF5 virtual datasets): a replaced directory must not hand out the new shards."""
+    from lean_store.stores.base import replace_atomically
+
+    path = sharded_pairs / f"run{SUFFIX[backend]}"
+    fresh = sharded_pairs / f"fresh{SUFFIX[backend]}"
+    with ls.open(path) as ck:
+        assert float(ck["w"][0, 0]) == 1000
+        replace_atomically(fresh, path)  # what a save does: exchange, delete the old tree
+        with pytest.raises(CheckpointReplacedError):
+            ck["w"][1, :3]
+        with pytest.raises(CheckpointReplacedError):
+            ck["w"].read()
+    assert float(ls.load_state(path)["w"][0, 0]) == 2000
 
 
 # ------------------------------------------------------------- a live writer process

@@ -33,10 +33,10 @@ from ..hardening import (
     touched_keys,
 )
 from ..layout import Entry
+from ..replacement import PinnedRoot, SaveIdWatch, check_unchanged
 from ..zarr_crc import LeanCrc32cCodec
 from ..zarr_direct import DirectWriter, direct_ok
 from ..zarr_direct_read import DirectReader, direct_read_ok
-from ..zarr_replaced import PinnedRoot, SaveIdWatch, check_unchanged
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
 
 SHARD_FACTOR = 8  # chunks per shard along the split axis, for tensors above SHARD_MIN_CHUNKS

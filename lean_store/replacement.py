@@ -1,12 +1,13 @@
-"""Telling whether the Zarr store an open checkpoint reads is still the one it opened.
+"""Telling whether the directory store an open checkpoint reads is still the one it opened.
 
-A save replaces a Zarr store by swapping in a new directory tree (docs/SECURITY.md), so a
-reader that goes back to the path later may find another checkpoint there. Two watches:
+A save replaces a Zarr store (or a sharded HDF5 checkpoint directory) by swapping in a new
+directory tree (docs/SECURITY.md), so a reader that goes back to the path later may find another
+checkpoint there. Two watches:
 
-- :class:`PinnedRoot`, for a local directory: the store's root directory is held open, so
-  files opened relative to :attr:`PinnedRoot.fd` come from the tree that was opened even after
-  a rename; :meth:`PinnedRoot.replaced` compares the directory now at the path with the held
-  one (held open, its inode cannot be reused, so equal means the same tree).
+- :class:`PinnedRoot`, for a local directory: the root directory is held open, so files opened
+  relative to :attr:`PinnedRoot.fd` come from the tree that was opened even after a rename;
+  :meth:`PinnedRoot.replaced` compares the directory now at the path with the held one (held
+  open, its inode cannot be reused, so equal means the same tree).
 - :class:`SaveIdWatch`, for any other store (fsspec URLs, zarr ``Store`` objects): the root
   attribute ``save_id`` (unique per save, docs/FORMAT.md) is read again and compared.
 
