@@ -21,6 +21,10 @@ from .errors import (
     IntegrityError,
     LayoutError,
     SaveIOError,
+    CheckpointReplacedError,
+    FormatError,
+    IntegrityError,
+    LayoutError,
     UnsafeFileError,
 )
 from .formats import ScalarFormat
@@ -32,6 +36,7 @@ __all__ = [
     "Checkpoint",
     "Checkpointer",
     "CheckpointError",
+    "CheckpointReplacedError",
     "Difference",
     "Encoded",
     "Entry",

@@ -5,18 +5,18 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .chunk_crc import crc32c_combine, crc32c_of
 from .chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, iter_regions, plan_chunks
 from .encoded import Encoded
-from .errors import CheckpointError, FormatError, IntegrityError
+from .errors import CheckpointError, CheckpointReplacedError, FormatError, IntegrityError
 from .formats import ScalarFormat, get
 from .indexing import basic_index
 from .layout import Difference, Entry, Layout, layout_error
@@ -30,6 +30,10 @@ from .stream import staged
 BACKENDS = ("hdf5", "zarr")
 _SUFFIXES = {".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", ".zarr": "zarr"}
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+OPEN_ATTEMPTS = 3
+"""Times ``open``, ``load`` and ``load_state`` start over when a save replaces the checkpoint
+while they read it."""
+T = TypeVar("T")
 
 
 def backend_for(path: str | os.PathLike, backend: str | None = None) -> str:
@@ -103,7 +107,7 @@ def open_reader(path: Any, backend: str | None = None) -> StoreReader:
     if isinstance(path, str) and "://" in path:
         from zarr.storage import FsspecStore
 
-        return ZarrReader(FsspecStore.from_url(path, read_only=True))
+        return ZarrReader(FsspecStore.from_url(path, read_only=True), where=path)
     return ZarrReader(path)
 
 
@@ -340,6 +344,18 @@ class Checkpoint(Mapping[str, TensorHandle]):
 
     def __init__(self, path: Any, *, backend: str | None = None) -> None:
         self.path = path
+        self._pool: ThreadPoolExecutor | None = None  # checks chunks while reading ahead
+        for attempt in range(OPEN_ATTEMPTS):  # a save replaced the path while it was opened
+            try:
+                self._open(path, backend)
+                return
+            except CheckpointReplacedError:
+                if attempt == OPEN_ATTEMPTS - 1:
+                    raise
+
+    def _open(self, path: Any, backend: str | None) -> None:
+        """Open the reader and read every piece of metadata; then check the store is still
+        the one opened, so that the metadata all comes from one checkpoint."""
         self._reader = open_reader(path, backend)
         try:
             self.backend = self._reader.backend
@@ -349,9 +365,17 @@ class Checkpoint(Mapping[str, TensorHandle]):
             from .distributed.sharded_read import stored_shards
 
             self._shards = stored_shards(self)  # {} unless saved by lean_store.distributed
-            self._pool: ThreadPoolExecutor | None = None  # checks chunks while reading ahead
-        except BaseException:
+            self._reader.check_current()
+        except BaseException as exc:
+            replaced = None
+            if isinstance(exc, CheckpointError) and not isinstance(exc, CheckpointReplacedError):
+                try:  # metadata of two checkpoints mixed by a save is no sign of damage
+                    self._reader.check_current()
+                except CheckpointReplacedError as err:
+                    replaced = err
             self._reader.close()
+            if replaced is not None:
+                raise replaced from None
             raise
 
     def __getitem__(self, name: str) -> TensorHandle:
@@ -419,6 +443,7 @@ class Checkpoint(Mapping[str, TensorHandle]):
                 crc = crc32c_update(crc, words)
             yield region, words
         if expected is not None and crc != expected:
+            self._reader.check_current()  # replaced while read: not damage
             raise IntegrityError(
                 f"tensor {entry.name!r}: crc32c {crc:#010x} does not match the recorded "
                 f"{expected:#010x}; the checkpoint is corrupt"
@@ -475,15 +500,17 @@ class Checkpoint(Mapping[str, TensorHandle]):
         shape = stored_rank_shape(entry)
         pair = (2,) if entry.format.words_per_value == 2 else ()
         out = np.empty(shape + pair, dtype=entry.format.storage_dtype)
-        for _ in self.iter_bits(entry, out=out):  # each region is read in place
-            pass
+        with self._reader.checks_deferred():  # ``out`` is handed out only at the end
+            for _ in self.iter_bits(entry, out=out):  # each region is read in place
+                pass
         return out.reshape(entry.shape + pair)
 
     def verify(self) -> None:
         """Read every tensor and check every chunk checksum and digest."""
         for entry in self.layout:
-            for _ in self.iter_bits(entry, reuse=True):
-                pass
+            with self._reader.checks_deferred():
+                for _ in self.iter_bits(entry, reuse=True):
+                    pass
 
     def to_dask(self, name: str, *, decode: bool | None = None) -> Any:
         """A lazy dask array of tensor ``name``, chunked like the store (see ``analysis``)."""
@@ -617,7 +644,9 @@ def load(
     target_layout = Layout.from_specs(
         [(n, t.entry.shape, t.entry.format) for n, t in targets.items()]
     )
-    with Checkpoint(path) as ck:
+    touched: list[bool] = []  # set once anything was copied into the target
+
+    def load_from(ck: Checkpoint) -> LoadResult:
         expected = expected_with_casts(ck.layout, target_layout, casts)
         ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
                         order_matters=strict)
@@ -628,13 +657,24 @@ def load(
         names = [n for n in expected.names() if n in ck.layout]
         if verify:  # every chunk and digest checked before the target changes at all
             for name in names:
-                for _ in ck.iter_bits(ck.layout[name], reuse=True):
-                    pass
+                with ck._reader.checks_deferred():
+                    for _ in ck.iter_bits(ck.layout[name], reuse=True):
+                        pass
         total = sum(ck.layout[n].nbytes for n in names)
         with make_progress(progress, f"load {Path(str(path)).name}", total) as bar:
             for name in names:
-                _install(ck, ck.layout[name], targets[name], bar)
+                try:
+                    _install(ck, ck.layout[name], targets[name], bar, touched)
+                except CheckpointReplacedError:
+                    if touched:
+                        raise CheckpointReplacedError(
+                            path, "while copied into the target, which now holds part of it; "
+                            "load again") from None
+                    raise
                 result.loaded.append(name)
+        return result
+
+    result = read_once(path, load_from, lambda: not touched)
     warn_skipped(result)
     return result
 
@@ -649,9 +689,29 @@ def warn_skipped(result: LoadResult) -> None:
         )
 
 
-def _install(ck: Checkpoint, entry: Entry, target: TargetTensor, bar: Any) -> None:
+def read_once(
+    path: Any, read: Callable[[Checkpoint], T], may_retry: Callable[[], bool] = lambda: True
+) -> T:
+    """``read(ck)`` on the checkpoint at ``path``; started over on the new checkpoint (up to
+    OPEN_ATTEMPTS times, while ``may_retry()``) when a save replaces it before ``read`` is
+    done, so that everything returned comes from one checkpoint."""
+    for attempt in range(OPEN_ATTEMPTS):
+        try:
+            with Checkpoint(path) as ck:
+                return read(ck)
+        except CheckpointReplacedError:
+            if attempt == OPEN_ATTEMPTS - 1 or not may_retry():
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _install(
+    ck: Checkpoint, entry: Entry, target: TargetTensor, bar: Any, touched: list[bool]
+) -> None:
     src, dst = entry.format, target.entry.format
     for region, words in ck.iter_bits(entry, reuse=True):
+        if not touched:
+            touched.append(True)
         target.write(region, _convert(words, src, dst))
         bar.advance(words.nbytes)
 
@@ -666,30 +726,35 @@ def load_state(
     tensors of the same dtypes on the same devices when ``like`` holds torch tensors.
     """
     casts = _casts(cast)
-    with Checkpoint(path) as ck:
-        devices: dict[str, Any] = {}
-        if like is not None:
-            like_layout = Layout.of(like)
-            devices = _devices_of(like)
-            expected = expected_with_casts(ck.layout, like_layout, casts)
-            ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
-                            order_matters=strict)
-            wanted = {e.name: like_layout[e.name].format for e in expected if e.name in ck.layout}
-        else:
-            if any(n not in ck.layout for n in casts):
-                raise CheckpointError(f"cast names tensors the checkpoint lacks: {list(casts)}")
-            wanted = {e.name: casts.get(e.name, e.format) for e in ck.layout}
-        out: dict[str, Any] = {}
-        for name, fmt in wanted.items():
-            entry = ck.layout[name]
-            words = _convert(ck._read_verified(entry), entry.format, fmt)
-            if name in devices:
-                from .sources.torch_source import new_tensor
+    return read_once(path, lambda ck: _state_of(ck, like, casts, strict))
 
-                out[name] = new_tensor(words, fmt, entry.shape, devices[name])
-            else:
-                out[name] = as_values(words, fmt)
-        return out
+
+def _state_of(
+    ck: Checkpoint, like: Any, casts: dict[str, ScalarFormat], strict: bool
+) -> dict[str, Any]:
+    devices: dict[str, Any] = {}
+    if like is not None:
+        like_layout = Layout.of(like)
+        devices = _devices_of(like)
+        expected = expected_with_casts(ck.layout, like_layout, casts)
+        ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
+                        order_matters=strict)
+        wanted = {e.name: like_layout[e.name].format for e in expected if e.name in ck.layout}
+    else:
+        if any(n not in ck.layout for n in casts):
+            raise CheckpointError(f"cast names tensors the checkpoint lacks: {list(casts)}")
+        wanted = {e.name: casts.get(e.name, e.format) for e in ck.layout}
+    out: dict[str, Any] = {}
+    for name, fmt in wanted.items():
+        entry = ck.layout[name]
+        words = _convert(ck._read_verified(entry), entry.format, fmt)
+        if name in devices:
+            from .sources.torch_source import new_tensor
+
+            out[name] = new_tensor(words, fmt, entry.shape, devices[name])
+        else:
+            out[name] = as_values(words, fmt)
+    return out
 
 
 def _devices_of(like: Any) -> dict[str, Any]:

@@ -83,3 +83,17 @@ class SaveIOError(CheckpointError, OSError):
 
     def __str__(self) -> str:
         return self.message
+class CheckpointReplacedError(CheckpointError):
+    """The checkpoint was replaced (by a new save to its path) or removed while open.
+
+    An open checkpoint reads only the checkpoint it opened; when that is no longer possible,
+    this is raised instead of returning data of another checkpoint. Open the path again.
+    """
+
+    def __init__(self, path: object, detail: str = "") -> None:
+        self.path = str(path)
+        more = f" ({detail})" if detail else ""
+        super().__init__(
+            f"{self.path} was replaced by a newer save (or removed) while open{more}; "
+            "open it again to read the current checkpoint"
+        )

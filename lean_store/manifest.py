@@ -1,14 +1,16 @@
 """The metadata lean_store writes and the checks a reader makes before touching any data.
 
 Root: ``lean_store`` (format name), ``format_version``, ``kind``, ``tensor_count``, ``layout``
-(JSON) and ``complete`` (written last). Each dataset: ``index``, ``name``, ``shape``,
-``format``, ``width``, the format's parameters, ``crc32c`` of its raw words, ``storage``.
+(JSON), ``writer``, ``save_id`` (unique per save) and ``complete`` (written last). Each dataset:
+``index``, ``name``, ``shape``, ``format``, ``width``, the format's parameters, ``crc32c`` of its
+raw words, ``storage``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import uuid
 import warnings
 from typing import Any
 
@@ -56,6 +58,7 @@ def root_attrs(layout: Layout, kind: str, extra: dict[str, Any] | None = None) -
         "tensor_count": len(layout),
         "layout": json.dumps(layout.to_json(), separators=(",", ":")),
         "writer": f"lean_store {__version__}",
+        "save_id": uuid.uuid4().hex,  # new per save: readers tell a replaced store by it
     }
     attrs.update(extra or {})
     return attrs

@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import crc32c as _crc32c
@@ -43,11 +42,13 @@ def direct_read_ok(array: Any) -> bool:
 
 
 class DirectReader:
-    """Reads selections of one array from its chunk (shard) files under ``directory``."""
+    """Reads selections of one array from its chunk (shard) files under ``node``, opened
+    relative to the store's root directory ``root_fd``: the tree that directory was when
+    opened, even after a save has renamed another one into its place."""
 
-    def __init__(self, directory: Path, node: str, array: Any) -> None:
+    def __init__(self, root_fd: int, node: str, array: Any) -> None:
         meta = array.metadata
-        self._dir = directory
+        self._root_fd = root_fd
         self._node = node
         self._shape = tuple(int(d) for d in array.shape)
         self._chunks = tuple(int(c) for c in array.chunks)
@@ -123,7 +124,7 @@ class DirectReader:
         else:
             shard, inner, key = coords, (), self._encode(coords)
         try:
-            fd = os.open(self._dir / key, _O_FLAGS)
+            fd = os.open(f"{self._node}/{key}", _O_FLAGS, dir_fd=self._root_fd)
         except OSError as exc:
             raise self._fail(coords, f"cannot be read: file {key!r} ({exc.strerror})") from None
         try:

@@ -24,6 +24,7 @@ from ..errors import CheckpointError, IntegrityError, UnsafeFileError
 from ..layout import Entry
 from ..manifest import tensor_attrs
 from ..naming import node_name
+from ..replacement import PinnedRoot, check_unchanged
 from ..stores.base import StoredTensor
 from ..stores.hdf5 import HDF5Reader, HDF5Writer, from_hdf5_attr, to_hdf5_attr
 from ..stores.hdf5_types import hdf5_type, storage_kind
@@ -101,10 +102,30 @@ class ShardedHDF5Reader(HDF5Reader):
     def __init__(self, directory: Any) -> None:
         self.directory = Path(directory)
         master = self.directory / MASTER_NAME
-        if master.is_symlink() or not master.is_file():
-            raise IntegrityError(f"{directory}: no master file {MASTER_NAME}")
-        super().__init__(master)
+        # HDF5 opens the shard files of virtual datasets by name when it reads them: each read
+        # is handed out only if the directory is still the one opened (docs/SECURITY.md)
+        self._pin = PinnedRoot.of(self.directory)
+        try:
+            if master.is_symlink() or not master.is_file():
+                raise IntegrityError(f"{directory}: no master file {MASTER_NAME}")
+            super().__init__(master)
+        except BaseException:
+            if self._pin is not None:
+                self._pin.close()
+            raise
         self._sources: dict[str, HDF5Reader] = {}
+
+    def check_current(self) -> None:
+        check_unchanged(self._pin, str(self.directory))
+
+    def read(self, node: str, selection: Any, fmt: Any, out: Any = None) -> Any:
+        try:
+            words = super().read(node, selection, fmt, out)
+        except IntegrityError:
+            self.check_current()  # a shard file deleted by a save replacing the directory
+            raise
+        self.check_current()
+        return words
 
     def stored(self, node: str) -> StoredTensor:
         ds = self._dataset(node)
@@ -173,6 +194,8 @@ class ShardedHDF5Reader(HDF5Reader):
         for reader in self._sources.values():
             reader.close()
         self._sources.clear()
+        if self._pin is not None:
+            self._pin.close()
         super().close()
 
 

@@ -183,6 +183,18 @@ class StoreReader(ABC):
         keeps one and checks every chunk read against it, else None."""
         return None
 
+    def check_current(self) -> None:  # noqa: B027 - stores that read one open file: nothing
+        """Raise :class:`~lean_store.errors.CheckpointReplacedError` when the checkpoint this
+        reader opened has been replaced (or removed) at its path and what the reader fetched
+        since opening may come from another checkpoint."""
+
+    @contextmanager
+    def checks_deferred(self) -> Iterator[None]:
+        """Reads inside the block whose data nobody uses before it ends (a whole tensor read
+        into one buffer, a verify pass): a store that checks for replacement after every read
+        may check once, when the block ends without error, instead."""
+        yield
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import os
+import stat
 from collections.abc import Iterator
 from typing import Any
 
@@ -254,15 +255,10 @@ class HDF5Reader(StoreReader):
         self._direct_chunks: dict[str, tuple] = {}  # node -> (chunks, shape), or () for H5Dread
         self._tables: dict[str, np.ndarray | None] = {}  # node -> chunk_crc32c table
         # unfiltered chunks are read with one pread from their file offset (HDF5's H5Dread
-        # costs ~30 % more per chunk); only for a file opened by path, without a user block
-        self._fd: int | None = None
-        self._file_size = 0
-        if isinstance(source, (str, os.PathLike)) and self._file.userblock_size == 0:
-            try:
-                self._fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                self._file_size = os.fstat(self._fd).st_size
-            except OSError:
-                self._fd = None
+        # costs ~30 % more per chunk), through HDF5's own descriptor: the file is opened once,
+        # so a save replacing the path meanwhile can never pair this file's index with another
+        # file's bytes (see docs/SECURITY.md)
+        self._fd, self._file_size = _h5_descriptor(self._file)
         self._plain: dict[str, bool] = {}  # node -> chunked, no filter
 
     def nodes(self) -> list[str]:
@@ -520,10 +516,26 @@ class HDF5Reader(StoreReader):
         return True
 
     def close(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._fd = None  # HDF5's own descriptor: closed with the file
         self._file.close()
+
+
+def _h5_descriptor(file: h5py.File) -> tuple[int | None, int]:
+    """(descriptor, size) of the file HDF5 has open, for reads at chunk offsets, or
+    (None, 0) where that is not possible: a driver other than sec2 (file objects, ...), a user
+    block (offsets are not file positions), or a descriptor whose fstat disagrees with the
+    size HDF5 reports for its file. The descriptor belongs to HDF5: never closed here."""
+    if file.driver != "sec2" or file.userblock_size != 0:
+        return None, 0
+    try:
+        fd = file.id.get_vfd_handle()
+        info = os.fstat(fd)
+        size = file.id.get_filesize()
+    except (OSError, RuntimeError, ValueError, TypeError):
+        return None, 0
+    if not isinstance(fd, int) or not stat.S_ISREG(info.st_mode) or info.st_size != size:
+        return None, 0
+    return fd, info.st_size
 
 
 def _h5read(node: str, ds: h5py.Dataset, ftype: Any, selection: Selection, out: np.ndarray

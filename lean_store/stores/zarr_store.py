@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ import zarr
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 from ..chunking import Region, grow_chunks, plan_chunks
-from ..errors import CheckpointError, IntegrityError, UnsafeFileError
+from ..errors import CheckpointError, CheckpointReplacedError, IntegrityError, UnsafeFileError
 from ..formats import ScalarFormat
 from ..hardening import (
     check_zarr_array,
@@ -30,6 +33,7 @@ from ..hardening import (
     touched_keys,
 )
 from ..layout import Entry
+from ..replacement import PinnedRoot, SaveIdWatch, check_unchanged
 from ..zarr_crc import LeanCrc32cCodec
 from ..zarr_direct import DirectWriter, direct_ok
 from ..zarr_direct_read import DirectReader, direct_read_ok
@@ -156,8 +160,30 @@ class ZarrWriter(StoreWriter):
 class ZarrReader(StoreReader):
     backend = "zarr"
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: Any, where: str | None = None) -> None:
+        """``where``: how errors name the store (default: ``str(source)``)."""
         self._root = Path(source) if isinstance(source, (str, os.PathLike)) else None
+        self._where = str(source) if where is None else where
+        # a local store's root directory is held open first: direct reads open files relative
+        # to it (the tree opened, even once replaced), and any other read is checked against it
+        self._watch: PinnedRoot | SaveIdWatch | None = (
+            PinnedRoot.of(self._root) if self._root is not None else None
+        )
+        try:
+            self._open(source)
+        except BaseException as exc:
+            replaced = isinstance(exc, Exception) and self._replaced()
+            self._close_watch()
+            if replaced:  # what was read may mix two checkpoints: say so, not "corrupt"
+                raise CheckpointReplacedError(self._where, "while it was being opened") from None
+            raise
+        self._arrays: dict[str, zarr.Array] = {}
+        self._direct: dict[str, DirectReader | None] = {}
+        # per thread: inside checks_deferred() (depth), and a read not yet checked there
+        self._deferral = threading.local()
+        self._closed = False
+
+    def _open(self, source: Any) -> None:
         # one walk of a local store, before zarr reads anything: no symlinks, bounded metadata
         self._tree = scan_local_zarr(self._root) if self._root is not None else None
         try:
@@ -165,8 +191,35 @@ class ZarrReader(StoreReader):
             self.root_attrs = dict(self._group.attrs)
         except Exception as exc:  # zarr raises many types for malformed stores
             raise IntegrityError(f"{source}: not a readable Zarr v3 group ({exc})") from None
-        self._arrays: dict[str, zarr.Array] = {}
-        self._direct: dict[str, DirectReader | None] = {}
+        if self._root is None:
+            self._watch = SaveIdWatch(self._group.store, self.root_attrs.get("save_id"))
+
+    def _replaced(self) -> bool:
+        return self._watch is not None and self._watch.replaced()
+
+    def check_current(self) -> None:
+        """CheckpointReplacedError when the store at the path is no longer the one opened."""
+        check_unchanged(self._watch, self._where)
+
+    @contextmanager
+    def checks_deferred(self) -> Iterator[None]:
+        """Reads inside are checked for replacement once, when the block ends without error
+        (for a remote store, one reread of the root instead of one per chunk)."""
+        state = self._deferral
+        depth = getattr(state, "depth", 0)
+        if depth == 0:
+            state.unchecked = False
+        state.depth = depth + 1
+        try:
+            yield
+        finally:
+            state.depth = depth
+        if depth == 0 and state.unchecked:
+            self.check_current()
+
+    def _close_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
 
     def nodes(self) -> list[str]:
         try:
@@ -216,13 +269,34 @@ class ZarrReader(StoreReader):
     def read(
         self, node: str, selection: Selection, fmt: ScalarFormat, out: np.ndarray | None = None
     ) -> np.ndarray:
+        """Raw words of ``selection``, from the store that was opened: direct reads open files
+        relative to the pinned root directory; any other read is handed out only if the store
+        is unchanged after it. A store replaced meanwhile: CheckpointReplacedError."""
+        if self._closed:
+            raise CheckpointError(f"{self._where}: the checkpoint was closed")
+        try:
+            words, pinned = self._read(node, selection, fmt, out)
+        except IntegrityError:
+            self.check_current()  # a file of the opened tree deleted by the save: not damage
+            raise
+        if not pinned:
+            if getattr(self._deferral, "depth", 0):
+                self._deferral.unchecked = True
+            else:
+                self.check_current()
+        return words
+
+    def _read(
+        self, node: str, selection: Selection, fmt: ScalarFormat, out: np.ndarray | None
+    ) -> tuple[np.ndarray, bool]:
+        """(words, read from the pinned root directory)."""
         array = self._array(node)
         words = fmt.words_per_value
         raw_pairs = words == 2 and native_dtype(fmt) is None
         key = selection.slices() + ((slice(None),) if raw_pairs else ())
         out_shape = selection.count + ((2,) if words == 2 else ())
         if math.prod(out_shape) == 0:
-            return np.empty(out_shape, dtype=fmt.storage_dtype)
+            return np.empty(out_shape, dtype=fmt.storage_dtype), True
         direct = self._direct_reader(node, array)
         if direct is not None:  # lean_store's own uncompressed layout: straight from the files
             into = out if out is not None and out.flags.c_contiguous else np.empty(
@@ -234,8 +308,8 @@ class ZarrReader(StoreReader):
             direct.read(start, count, step, into)
             if out is not None and into is not out:
                 out[...] = into
-                return out
-            return into
+                return out, True
+            return into, True
         if self._tree is None:  # other stores: the chunks this read touches must exist
             check_zarr_keys_exist(node, array, touched_keys(node, array, selection))
         try:
@@ -245,15 +319,18 @@ class ZarrReader(StoreReader):
         words = np.ascontiguousarray(data).view(fmt.storage_dtype).reshape(out_shape)
         if out is not None:
             out[...] = words
-            return out
-        return words
+            return out, False
+        return words, False
 
     def _direct_reader(self, node: str, array: zarr.Array) -> DirectReader | None:
         if node not in self._direct:
-            ok = self._root is not None and self._tree is not None and direct_read_ok(array)
-            self._direct[node] = DirectReader(self._root / node, node, array) if ok else None
+            root = self._watch if isinstance(self._watch, PinnedRoot) else None
+            ok = root is not None and self._tree is not None and direct_read_ok(array)
+            self._direct[node] = DirectReader(root.fd, node, array) if ok else None
         return self._direct[node]
 
     def close(self) -> None:
+        self._closed = True
         self._arrays.clear()
         self._direct.clear()
+        self._close_watch()
