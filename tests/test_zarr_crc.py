@@ -64,7 +64,7 @@ def test_store_bytes_equal_stock_zarr(tmp_path: Path, monkeypatch: pytest.Monkey
     ls.save(STATE, tmp_path / "ours.zarr", chunk_bytes=chunk_bytes)
     with monkeypatch.context() as m:
         m.setattr(zarr_store, "direct_ok", lambda array: False)
-        m.setattr(zarr_store, "LeanCrc32cCodec", Crc32cCodec)
+        m.setattr(zarr_store, "crc32c_codec", Crc32cCodec)
         ls.save(STATE, tmp_path / "stock.zarr", chunk_bytes=chunk_bytes)
     ours, stock = _files(tmp_path / "ours.zarr"), _files(tmp_path / "stock.zarr")
     assert sorted(ours) == sorted(stock)

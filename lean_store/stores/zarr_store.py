@@ -30,7 +30,7 @@ from ..hardening import (
     touched_keys,
 )
 from ..layout import Entry
-from ..zarr_crc import LeanCrc32cCodec
+from ..zarr_compat import crc32c_codec, local_root
 from ..zarr_direct import DirectWriter, direct_ok
 from ..zarr_direct_read import DirectReader, direct_read_ok
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
@@ -67,7 +67,7 @@ def _compressors(compression: Any) -> list[Any]:
         codecs = [BloscCodec()]
     else:
         raise CheckpointError(f"unknown zarr compression {compression!r}; use zstd, gzip or blosc")
-    return codecs + [LeanCrc32cCodec()]  # stock crc32c bytes, a cheaper encoder
+    return codecs + [crc32c_codec()]  # stock crc32c bytes, a cheaper encoder where it can
 
 
 class ZarrTensorWriter(TensorWriter):
@@ -155,7 +155,7 @@ class ZarrReader(StoreReader):
     backend = "zarr"
 
     def __init__(self, source: Any) -> None:
-        self._root = Path(source) if isinstance(source, (str, os.PathLike)) else None
+        self._root: Path | None = local_root(source)  # a directory, or None: any other store
         # one walk of a local store, before zarr reads anything: no symlinks, bounded metadata
         self._tree = scan_local_zarr(self._root) if self._root is not None else None
         try:
