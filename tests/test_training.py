@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from helpers import BACKENDS, SUFFIX
+from torch_optional import require_torch
 
 import lean_store as ls
 from lean_store.checkpoint import write_source
 from lean_store.sources import tensor_source
 from lean_store.training import META_ATTR, VERSION_ATTR
+
+torch = require_torch()
 
 HERE = Path(__file__).parent
 FIXTURE = HERE / "fixtures" / "legacy_v0_adam.h5"
