@@ -332,3 +332,31 @@ def test_shutil_roundtrip_of_the_whole_store_is_exact(tmp_path: Path) -> None:
     copy = tmp_path / "copy.zarr"
     shutil.copytree(root, copy)
     np.testing.assert_array_equal(ls.load_state(copy)["z"].bits, expected.bits)
+
+
+def test_requires_python_admits_no_python_the_minimum_dependencies_refuse() -> None:
+    """Every dependency installed at pyproject's lower bound (all of them in ./dev test's
+    oldest run) supports the oldest Python pyproject claims: zarr 3.1 needs Python >= 3.11."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    claimed = SpecifierSet(project["requires-python"])
+    oldest = min((Version(f"3.{minor}") for minor in range(30) if f"3.{minor}.0" in claimed),
+                 default=None)
+    assert oldest is not None and oldest >= Version("3.11")
+    checked = []
+    for line in project["dependencies"]:
+        req = Requirement(line)
+        floor = next((Version(s.version) for s in req.specifier if s.operator == ">="), None)
+        installed = Version(md.version(req.name))
+        assert floor is not None and installed >= floor, req.name
+        needs = md.metadata(req.name).get("Requires-Python")
+        if installed == floor and needs:
+            assert f"{oldest}.0" in SpecifierSet(needs), (req.name, needs)
+            checked.append(req.name)
+    assert sys.version_info >= (oldest.major, oldest.minor)
