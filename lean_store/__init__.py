@@ -16,15 +16,12 @@ from .checkpointer import Checkpointer
 from .encoded import Encoded
 from .errors import (
     CheckpointError,
+    CheckpointReplacedError,
     ForeignPathError,
     FormatError,
     IntegrityError,
     LayoutError,
     SaveIOError,
-    CheckpointReplacedError,
-    FormatError,
-    IntegrityError,
-    LayoutError,
     UnsafeFileError,
 )
 from .formats import ScalarFormat

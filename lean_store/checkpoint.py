@@ -53,6 +53,8 @@ def backend_for(path: str | os.PathLike, backend: str | None = None) -> str:
 
 def detect_backend(path: str | os.PathLike) -> str:
     """The backend of an existing checkpoint, from what is on disk."""
+    if not isinstance(path, (str, os.PathLike)):
+        return "zarr"  # a zarr store object (LocalStore, ZipStore, MemoryStore, FsspecStore)
     if isinstance(path, str) and "://" in path:
         return "zarr"  # fsspec URLs (file://, s3://, ...) hold Zarr stores
     p = Path(path)

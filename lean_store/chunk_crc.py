@@ -1,7 +1,7 @@
 """Per-chunk CRC-32C: the table HDF5 datasets carry in the ``chunk_crc32c`` attribute.
 
-One uint32 per chunk, in C order of the chunk grid: the CRC-32C (Castagnoli, initial value 0 as
-the ``crc32c`` package computes it) of the chunk's raw little-endian words over the chunk region
+One uint32 per chunk, in C order of the chunk grid: the CRC-32C (Castagnoli, initial value 0, as
+``google_crc32c.value`` computes it) of the chunk's raw little-endian words over the chunk region
 clipped to the dataset, in C order within the region (the words a writer holds in memory; for
 row-block chunks, a contiguous run of the tensor's bytes). It is hardware CRC (several GB/s),
 where HDF5's fletcher32 filter runs byte by byte.
@@ -16,7 +16,7 @@ import math
 from functools import lru_cache
 from typing import Any
 
-import crc32c as _crc32c
+import google_crc32c
 import numpy as np
 
 from .errors import IntegrityError
@@ -33,7 +33,7 @@ def crc32c_of(bits: Any, crc: int = 0) -> int:
         arr = np.ascontiguousarray(arr)
     if arr.size == 0:
         return crc
-    return _crc32c.crc32c(arr.reshape(-1).view(np.uint8), crc)
+    return google_crc32c.extend(crc, arr.reshape(-1).view(np.uint8))
 
 
 def _gf2_apply(matrix: tuple[int, ...], vector: int) -> int:
@@ -53,8 +53,8 @@ def _gf2_square(matrix: tuple[int, ...]) -> tuple[int, ...]:
 @lru_cache(maxsize=1)
 def _one_byte() -> tuple[int, ...]:
     """The linear operator 'feed one zero byte' on a CRC value, as 32 columns."""
-    base = _crc32c.crc32c(b"\0", 0)
-    return tuple(_crc32c.crc32c(b"\0", 1 << j) ^ base for j in range(32))
+    base = google_crc32c.extend(0, b"\0")
+    return tuple(google_crc32c.extend(1 << j, b"\0") ^ base for j in range(32))
 
 
 @lru_cache(maxsize=256)

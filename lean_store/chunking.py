@@ -9,8 +9,9 @@ computed in one pass.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 1 << 10
@@ -63,6 +64,33 @@ def grid_indices(counts: list[int]) -> Iterator[tuple[int, ...]]:
             index[axis] = 0
         else:
             return
+
+
+def touched_cells(
+    start: Sequence[int], count: Sequence[int], step: Sequence[int], cell: Sequence[int],
+    shape: Sequence[int],
+) -> Iterator[tuple[int, ...]]:
+    """Grid coordinates, in C order, of every cell of shape ``cell`` (a chunk or shard) that
+    the strided selection ``start/count/step`` touches in an array of ``shape``.
+
+    The grid has the array's full rank. Axes past the selection's rank (the (re, im) axis of
+    complex values stored as word pairs) are selected whole, so every coordinate has one
+    entry per axis of the array; an empty selection touches nothing."""
+    if len(cell) != len(shape) or len(start) > len(shape):
+        raise ValueError(f"a grid of rank {len(cell)} for an array of rank {len(shape)}, "
+                         f"selected over {len(start)} axes")
+    rank = len(start)
+    start = tuple(start) + (0,) * (len(shape) - rank)
+    count = tuple(count) + tuple(shape[rank:])
+    step = tuple(step) + (1,) * (len(shape) - rank)
+    axes: list[Sequence[int]] = []
+    for a, n, st, c in zip(start, count, step, cell):
+        if n <= 0:
+            return
+        last = a + (n - 1) * st
+        axes.append(range(a // c, last // c + 1) if st <= c
+                    else sorted({(a + k * st) // c for k in range(n)}))
+    yield from itertools.product(*axes)
 
 
 def region_shape(region: Region) -> tuple[int, ...]:

@@ -9,7 +9,6 @@ tries something no lean_store writer does) or :class:`IntegrityError` (it is dam
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import stat
@@ -225,16 +224,17 @@ def check_zarr_array(node: str, array: Any) -> None:
         raise UnsafeFileError(f"{node!r}: storage transformers are not supported")
     shape = tuple(array.shape)
     itemsize = array.dtype.itemsize
+    outer_chunks = zarr_grid(node, array)
     check_chunk_shape(node, tuple(array.chunks), shape, itemsize)
-    outer_chunks = tuple(meta.chunk_grid.chunk_shape)
     check_chunk_shape(node, outer_chunks, shape, itemsize, MAX_SHARD_BYTES)
 
 
 def zarr_chunk_keys(node: str, array: Any, present: int) -> list[tuple[str, tuple[int, ...]]]:
     """(key, grid coordinates) of every chunk or shard file of ``array``, keys relative to the
     store root. Raises before enumerating when the grid claims more files than ``present``."""
-    meta = array.metadata
-    outer = tuple(meta.chunk_grid.chunk_shape)
+    from .zarr_compat import chunk_key
+
+    outer = zarr_grid(node, array)
     grid = tuple(-(-int(d) // int(c)) for d, c in zip(array.shape, outer))
     expected = math.prod(grid)
     if expected > present:
@@ -242,8 +242,7 @@ def zarr_chunk_keys(node: str, array: Any, present: int) -> list[tuple[str, tupl
             f"{node!r}: {present} of {expected} chunk files are present; the checkpoint is "
             "truncated or was never completely written"
         )
-    encode = meta.chunk_key_encoding.encode_chunk_key
-    return [(f"{node}/{encode(coords)}", coords) for coords in np.ndindex(*grid)]
+    return [(f"{node}/{chunk_key(array, coords)}", coords) for coords in np.ndindex(*grid)]
 
 
 def zarr_expected_file_size(array: Any, coords: tuple[int, ...]) -> int | None:
@@ -258,7 +257,7 @@ def zarr_expected_file_size(array: Any, coords: tuple[int, ...]) -> int | None:
     if "ShardingCodec" not in outer:
         return inner_bytes
     shard = next(c for c in meta.codecs if type(c).__name__ == "ShardingCodec")
-    shard_shape = tuple(meta.chunk_grid.chunk_shape)
+    shard_shape = zarr_grid("array", array)
     n_slots = math.prod(s // c for s, c in zip(shard_shape, shard.chunk_shape))
     n_inner = math.prod(
         -(-min(s, d - i * s) // c)
@@ -287,32 +286,37 @@ def check_zarr_present(node: str, array: Any, tree: LocalTree) -> None:
 
 
 def touched_keys(node: str, array: Any, selection: Any) -> list[str]:
-    """Keys of the chunk (shard) files a strided selection reads."""
-    meta = array.metadata
-    outer = tuple(meta.chunk_grid.chunk_shape)
-    axes = []
-    for start, count, step, c in zip(selection.start, selection.count, selection.step, outer):
-        if count == 0:
-            return []
-        last = start + (count - 1) * step
-        if step <= c:
-            axes.append(range(start // c, last // c + 1))
-        else:
-            axes.append(sorted({(start + k * step) // c for k in range(count)}))
-    encode = meta.chunk_key_encoding.encode_chunk_key
-    keys = [f"{node}/{encode(coords)}" for coords in itertools.product(*axes)]
-    prefix = array.store_path.path
-    return [f"{prefix}/{key.split('/', 1)[1]}" if prefix else key for key in keys]
+    """Store keys of the chunk (shard) files a strided selection reads. The selection covers
+    the tensor's axes; a trailing (re, im) axis of word pairs is read whole."""
+    from .chunking import touched_cells
+    from .zarr_compat import chunk_key, store_and_prefix
+
+    outer = zarr_grid(node, array)
+    cells = touched_cells(selection.start, selection.count, selection.step, outer,
+                          tuple(int(d) for d in array.shape))
+    _store, prefix = store_and_prefix(array)
+    base = f"{prefix}/" if prefix else ""
+    return [base + chunk_key(array, coords) for coords in cells]
 
 
 def check_zarr_keys_exist(node: str, array: Any, keys: list[str]) -> None:
     """For non-local stores: each key must exist (a missing chunk must never read as fill)."""
-    from zarr.core.sync import sync
+    from .zarr_compat import store_and_prefix, store_has
 
-    store = array.store_path.store
+    store, _prefix = store_and_prefix(array)
     for key in keys:
-        if not sync(store.exists(key)):
+        if not store_has(store, key):
             raise IntegrityError(f"{node!r}: chunk {key!r} is missing; the data is truncated")
+
+
+def zarr_grid(node: str, array: Any) -> tuple[int, ...]:
+    """The shape of one cell (shard, or chunk when unsharded) of ``array``'s regular grid."""
+    from .zarr_compat import regular_grid
+
+    outer = regular_grid(array)
+    if outer is None or len(outer) != len(array.shape):
+        raise UnsafeFileError(f"{node!r}: not a regular Zarr chunk grid")
+    return outer
 
 
 __all__ = [

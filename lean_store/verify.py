@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import crc32c as _crc32c
+import google_crc32c
 import numpy as np
 
 from .chunking import Region, iter_regions
@@ -281,14 +281,15 @@ def _shard_index_problems(
 ) -> list[tuple[tuple[int, ...] | None, str]]:
     """Read each shard's index (at its end, crc32c-protected) and report empty or
     out-of-range slots for inner chunks that overlap the array."""
-    from .hardening import zarr_chunk_keys
+    from .hardening import zarr_chunk_keys, zarr_grid
+    from .zarr_compat import plain_codecs, sharding_document
 
-    names = [type(c).__name__ for c in shard.index_codecs]
-    if names != ["BytesCodec", "Crc32cCodec"] or str(shard.index_location.value) != "end":
+    config = sharding_document(array) or {}
+    if not plain_codecs(config.get("index_codecs") or []) \
+            or config.get("index_location", "end") != "end":
         return []
-    meta = array.metadata
-    shard_shape = tuple(meta.chunk_grid.chunk_shape)
-    inner = tuple(shard.chunk_shape)
+    shard_shape = zarr_grid(node, array)
+    inner = tuple(int(c) for c in config["chunk_shape"])
     per_shard = tuple(s // c for s, c in zip(shard_shape, inner))
     n_slots = math.prod(per_shard)
     index_bytes = 16 * n_slots + 4
@@ -303,7 +304,7 @@ def _shard_index_problems(
             f.seek(size - index_bytes)
             raw = f.read(index_bytes)
         body, stored = raw[:-4], int.from_bytes(raw[-4:], "little")
-        if _crc32c.crc32c(body) != stored:
+        if google_crc32c.value(body) != stored:
             problems.append((None, f"shard {key!r}: index checksum mismatch"))
             continue
         table = np.frombuffer(body, dtype="<u8").reshape(n_slots, 2)

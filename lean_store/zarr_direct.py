@@ -29,6 +29,7 @@ import google_crc32c
 import numpy as np
 
 from .chunking import Region
+from .zarr_compat import chunk_key, codec_documents, plain_codecs, sharding_document
 
 _EMPTY = np.uint64(2**64 - 1)
 
@@ -45,7 +46,7 @@ class DirectWriter:
         itemsize: int,
     ) -> None:
         self._root = root
-        self._meta = array.metadata
+        self._array = array
         self._shape = tuple(array.shape)
         self._chunks = chunks
         self._shards = shards
@@ -57,7 +58,7 @@ class DirectWriter:
         ``data`` holds its C-contiguous little-endian bytes."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         unit = self._shards or self._chunks
-        key = self._meta.encode_chunk_key(tuple(s.start // u for s, u in zip(region, unit)))
+        key = chunk_key(self._array, tuple(s.start // u for s, u in zip(region, unit)))
         path = self._root / key
         if path.parent not in self._made:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,26 +96,17 @@ class DirectWriter:
 
 def direct_ok(array: Any) -> bool:
     """True when ``array``'s codecs are exactly the layout :class:`DirectWriter` writes."""
-    from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
-    from zarr.codecs.sharding import ShardingCodecIndexLocation
-
-    def plain(codecs: Any) -> bool:
-        return (
-            len(codecs) == 2 and isinstance(codecs[0], BytesCodec)
-            and getattr(codecs[0].endian, "value", codecs[0].endian) in (None, "little")
-            and isinstance(codecs[1], Crc32cCodec)
-        )
-
-    codecs = tuple(array.metadata.codecs)
     if sys.byteorder != "little":
         return False
-    if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
-        shard = codecs[0]
-        return (
-            plain(tuple(shard.codecs)) and plain(tuple(shard.index_codecs))
-            and shard.index_location == ShardingCodecIndexLocation.end
-        )
-    return plain(codecs)
+    shard = sharding_document(array)
+    if shard is None:
+        return plain_codecs(codec_documents(array))
+    return (
+        len(codec_documents(array)) == 1
+        and plain_codecs(shard.get("codecs") or [])
+        and plain_codecs(shard.get("index_codecs") or [])
+        and shard.get("index_location", "end") == "end"
+    )
 
 
 __all__ = ["DirectWriter", "direct_ok"]

@@ -13,15 +13,16 @@ missing file or chunk, a bad index or a bad CRC is an :class:`IntegrityError`.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from typing import Any
 
-import crc32c as _crc32c
+import google_crc32c
 import numpy as np
 
+from .chunking import touched_cells
 from .errors import IntegrityError
+from .zarr_compat import chunk_key, regular_grid
 from .zarr_direct import direct_ok
 
 _EMPTY = 2**64 - 1
@@ -30,12 +31,10 @@ _O_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC",
 
 def direct_read_ok(array: Any) -> bool:
     """True when ``array`` is stored in the layout :class:`DirectReader` reads."""
-    from zarr.core.chunk_grids import RegularChunkGrid
-
-    meta = array.metadata
-    if not direct_ok(array) or not isinstance(meta.chunk_grid, RegularChunkGrid):
+    outer = regular_grid(array)
+    if not direct_ok(array) or outer is None:
         return False
-    outer, inner = tuple(meta.chunk_grid.chunk_shape), tuple(array.chunks)
+    inner = tuple(int(c) for c in array.chunks)
     if len(outer) != len(inner) or any(o % c for o, c in zip(outer, inner)):
         return False
     return sum(o != c for o, c in zip(outer, inner)) <= 1  # one chunk axis: plain order
@@ -47,18 +46,17 @@ class DirectReader:
     opened, even after a save has renamed another one into its place."""
 
     def __init__(self, root_fd: int, node: str, array: Any) -> None:
-        meta = array.metadata
         self._root_fd = root_fd
         self._node = node
         self._shape = tuple(int(d) for d in array.shape)
         self._chunks = tuple(int(c) for c in array.chunks)
-        self._outer = tuple(int(c) for c in meta.chunk_grid.chunk_shape)
+        self._outer = regular_grid(array) or self._chunks
         self._sharded = self._outer != self._chunks
         self._per_shard = tuple(o // c for o, c in zip(self._outer, self._chunks))
         self._slots = math.prod(self._per_shard)
         self._itemsize = int(array.dtype.itemsize)
         self._chunk_nbytes = math.prod(self._chunks) * self._itemsize
-        self._encode = meta.encode_chunk_key
+        self._array = array
         self._indexes: dict[tuple[int, ...], np.ndarray] = {}
 
     def read(self, start: tuple[int, ...], count: tuple[int, ...], step: tuple[int, ...],
@@ -67,7 +65,7 @@ class DirectReader:
         of the array's items) with the selection ``start/count/step``."""
         dst_all = out.view(np.uint8).reshape(count + (self._itemsize,))
         scratch: np.ndarray | None = None
-        for coords in self._touched(start, count, step):
+        for coords in touched_cells(start, count, step, self._chunks, self._shape):
             cstart = tuple(i * c for i, c in zip(coords, self._chunks))
             ccount = tuple(min(c, d - a) for a, c, d in zip(cstart, self._chunks, self._shape))
             if cstart == start and ccount == count and all(s == 1 for s in step) \
@@ -100,15 +98,6 @@ class DirectReader:
             c == 1 for c in self._chunks[: clipped[0]]
         ))
 
-    def _touched(self, start: tuple[int, ...], count: tuple[int, ...], step: tuple[int, ...]
-                 ) -> Any:
-        axes = []
-        for a, n, st, c in zip(start, count, step, self._chunks):
-            last = a + (n - 1) * st
-            axes.append(range(a // c, last // c + 1) if st <= c
-                        else sorted({(a + k * st) // c for k in range(n)}))
-        return itertools.product(*axes)
-
     def _fail(self, coords: tuple[int, ...], what: str) -> IntegrityError:
         return IntegrityError(f"tensor {self._node!r}: chunk {coords} {what}; the checkpoint is "
                               "corrupt or truncated")
@@ -120,9 +109,9 @@ class DirectReader:
         if self._sharded:
             shard = tuple(c // p for c, p in zip(coords, self._per_shard))
             inner = tuple(c % p for c, p in zip(coords, self._per_shard))
-            key = self._encode(shard)
+            key = chunk_key(self._array, shard)
         else:
-            shard, inner, key = coords, (), self._encode(coords)
+            shard, inner, key = coords, (), chunk_key(self._array, coords)
         try:
             fd = os.open(f"{self._node}/{key}", _O_FLAGS, dir_fd=self._root_fd)
         except OSError as exc:
@@ -144,7 +133,7 @@ class DirectReader:
                     raise self._fail(coords, f"file {key!r} has {file_size} bytes, not "
                                              f"{size + 4}")
             pad = size - dst.size
-            tail = bytearray(pad + 4)
+            tail = np.empty(pad + 4, np.uint8)  # google_crc32c takes numpy arrays and bytes
             got = os.preadv(fd, [dst, tail], offset)
         except OSError as exc:
             raise self._fail(coords, f"cannot be read ({exc})") from None
@@ -152,8 +141,8 @@ class DirectReader:
             os.close(fd)
         if got != size + 4:
             raise self._fail(coords, f"is truncated ({got} of {size + 4} bytes)")
-        crc = _crc32c.crc32c(memoryview(tail)[:pad], _crc32c.crc32c(dst))
-        if crc != int.from_bytes(tail[pad:], "little"):
+        crc = google_crc32c.extend(google_crc32c.value(dst), tail[:pad])
+        if crc != int.from_bytes(tail[pad:].tobytes(), "little"):
             raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")
 
     def _index(self, fd: int, file_size: int, shard: tuple[int, ...], coords: tuple[int, ...]
@@ -165,7 +154,8 @@ class DirectReader:
                 raise self._fail(coords, f"lies in a shard of {file_size} bytes, too short for "
                                          "its index")
             raw = os.pread(fd, n, file_size - n)
-            if len(raw) != n or _crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            if len(raw) != n or \
+                    google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
                 raise self._fail(coords, "lies in a shard whose index fails its crc32c check")
             index = np.frombuffer(raw[:-4], "<u8").reshape(self._slots, 2)
             self._indexes[shard] = index

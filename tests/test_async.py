@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-import torch
+from torch_optional import needs_torch, torch
 
 import lean_store as ls
 from lean_store.errors import CheckpointError, IntegrityError
@@ -36,6 +36,7 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
 
 
+@needs_torch
 @pytest.mark.parametrize("suffix", [".h5", ".zarr"])
 def test_training_mutates_while_the_snapshot_is_written(tmp_path, monkeypatch, suffix) -> None:
     model = _model()
@@ -79,6 +80,7 @@ def test_without_snapshot_the_file_sees_mutations(tmp_path, monkeypatch) -> None
         ls.load_state(tmp_path / "ck.h5")
 
 
+@needs_torch
 @pytest.mark.parametrize("snapshot", ["device", "host", "auto"])
 def test_snapshot_modes_copy_numpy_and_torch(tmp_path, snapshot) -> None:
     state = {"a": torch.arange(10, dtype=torch.int64), "b": np.full(5, 7, np.int16)}

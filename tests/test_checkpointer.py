@@ -10,10 +10,12 @@ import textwrap
 import time
 
 import pytest
-import torch
 from helpers import BACKENDS
+from torch_optional import require_torch
 
 import lean_store as ls
+
+torch = require_torch()
 
 
 def _run(seed: int = 0):

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import save_file
+from torch_optional import needs_torch, torch
 
 import lean_store as ls
 from lean_store.errors import CheckpointError, FormatError, IntegrityError
@@ -19,8 +18,16 @@ from lean_store.interop import torchlean as tl
 from lean_store.interop.convert import convert, format_of_path, open_input
 from lean_store.interop.safetensors_io import SafetensorsSource, write_safetensors
 
+
+def save_file(*args, **kwargs):
+    """safetensors.torch.save_file, imported when used (it imports torch)."""
+    from safetensors.torch import save_file as save
+
+    return save(*args, **kwargs)
+
+
 # Every dtype safetensors and torch share, as random raw bytes (NaN payloads included).
-SHARED_DTYPES = [
+SHARED_DTYPES = [] if torch is None else [
     torch.bool, torch.uint8, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn,
     torch.float8_e8m0fnu, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.int16,
     torch.uint16, torch.float16, torch.bfloat16, torch.int32, torch.uint32, torch.float32,
@@ -54,6 +61,7 @@ def random_state() -> dict[str, torch.Tensor]:
     return state
 
 
+@needs_torch
 @pytest.mark.parametrize("mid", ["m.h5", "m.zarr"])
 def test_model_safetensors_round_trip_is_byte_identical(tmp_path: Path, mid: str) -> None:
     src = tmp_path / "model.safetensors"
@@ -63,6 +71,7 @@ def test_model_safetensors_round_trip_is_byte_identical(tmp_path: Path, mid: str
     assert (tmp_path / "back.safetensors").read_bytes() == src.read_bytes()
 
 
+@needs_torch
 def test_every_safetensors_dtype_round_trips_byte_identical(tmp_path: Path) -> None:
     src = tmp_path / "all.safetensors"
     state = random_state()
@@ -81,6 +90,7 @@ def test_every_safetensors_dtype_round_trips_byte_identical(tmp_path: Path) -> N
             assert stored.tolist() == raw.tolist(), name
 
 
+@needs_torch
 def test_safetensors_writer_matches_the_library_for_arbitrary_names(tmp_path: Path) -> None:
     state = {f"{n}": torch.full((2,), i, dtype=d)
              for i, (n, d) in enumerate([("b", torch.float32), ("a", torch.float32),
@@ -108,6 +118,7 @@ def _reordered(src: SafetensorsSource):
     })
 
 
+@needs_torch
 def test_model_torch_round_trip_is_byte_identical(tmp_path: Path) -> None:
     model = small_model()
     src = tmp_path / "model.pt"
@@ -124,6 +135,7 @@ def test_model_torch_round_trip_is_byte_identical(tmp_path: Path) -> None:
                            b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), name
 
 
+@needs_torch
 def test_torch_file_saved_to_a_file_object_round_trips(tmp_path: Path) -> None:
     state = {k: v for k, v in random_state().items()}
     with open(tmp_path / "a.pt", "wb") as f:
@@ -134,6 +146,7 @@ def test_torch_file_saved_to_a_file_object_round_trips(tmp_path: Path) -> None:
     assert (tmp_path / "b.pt").read_bytes() == (tmp_path / "a.pt").read_bytes()
 
 
+@needs_torch
 def test_torch_pickle_with_code_is_refused_never_run(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
 
@@ -147,6 +160,7 @@ def test_torch_pickle_with_code_is_refused_never_run(tmp_path: Path) -> None:
     assert not marker.exists() and not (tmp_path / "e.h5").exists()
 
 
+@needs_torch
 def test_torch_file_that_is_not_a_state_dict_is_refused(tmp_path: Path) -> None:
     torch.save({"w": torch.zeros(2), "step": 3}, tmp_path / "mixed.pt")
     with pytest.raises(FormatError, match="step"):
@@ -168,7 +182,7 @@ ODD = {
     "target, refused",
     [
         ("out.safetensors", ["twelve", "e4m3", "c128"]),
-        ("out.pt", ["twelve", "e4m3"]),
+        pytest.param("out.pt", ["twelve", "e4m3"], marks=needs_torch),
         ("out.tlsf32", ["twelve", "e4m3", "c128"]),
         ("out.json", ["float8_e4m3", "binary_5_6_15_ieee"]),
         ("out.tladam", ["TorchLean Adam"]),
@@ -190,7 +204,8 @@ def test_bits_survive_every_target_that_holds_them(tmp_path: Path) -> None:
     bits = np.array([0x7FC00001, 0xFFC12345, 0x80000000, 0x00000001, 0x7F800000], np.uint32)
     state = {"x": bits.view(np.float32)}
     ls.save(state, tmp_path / "a.h5")
-    chain = ["b.zarr", "c.safetensors", "d.pt", "e.tlsf32", "g.h5"]
+    torch_file = ["d.pt"] if torch is not None else []  # .pt needs torch; the rest does not
+    chain = ["b.zarr", "c.safetensors", *torch_file, "e.tlsf32", "g.h5"]
     prev = tmp_path / "a.h5"
     for name in chain:
         convert(prev, tmp_path / name)
@@ -290,6 +305,7 @@ def test_format_detection(tmp_path: Path) -> None:
         assert inp.layout.names() == ["0"]
 
 
+@needs_torch
 def test_malformed_safetensors_is_rejected(tmp_path: Path) -> None:
     save_file({"a": torch.zeros(4)}, tmp_path / "ok.safetensors")
     data = (tmp_path / "ok.safetensors").read_bytes()

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from torch_optional import require_torch
+
+require_torch()  # every test here runs torch.distributed
 
 HERE = Path(__file__).resolve()
 PY = sys.executable

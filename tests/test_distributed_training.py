@@ -21,6 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_distributed import batch, local_equal, make_model, outcome, placements_for, run_world
+from torch_optional import require_torch
+
+require_torch()  # every test here runs torch.distributed
 
 HERE = Path(__file__).resolve()
 MORE = 2  # steps after the checkpoint

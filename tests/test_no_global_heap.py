@@ -9,7 +9,7 @@ from __future__ import annotations
 import h5py
 import numpy as np
 import pytest
-import torch
+from torch_optional import needs_torch, torch
 
 import lean_store as ls
 
@@ -20,6 +20,7 @@ def _all_attrs(f: h5py.File):
         yield name, f[name].attrs
 
 
+@needs_torch
 def test_every_string_attribute_is_fixed_length(tmp_path):
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from torch_optional import require_torch
 
 import lean_store as ls
+
+torch = require_torch()
 
 SOURCE = Path(ls.__file__).resolve().parent
 

@@ -6,9 +6,11 @@ import re
 from pathlib import Path
 
 import numpy as np
-import torch
+from torch_optional import require_torch
 
 import lean_store as ls
+
+torch = require_torch()
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -7,9 +7,9 @@ import json
 import h5py
 import numpy as np
 import pytest
-import torch
 import zarr
 from helpers import BACKENDS, SUFFIX, h5_text, raw
+from torch_optional import needs_torch, torch
 
 import lean_store as ls
 
@@ -32,6 +32,7 @@ def saved(request, tmp_path):
     return path
 
 
+@needs_torch
 def test_missing_path_and_plain_directory(tmp_path):
     target = _model()
     before = _snapshot(target)
@@ -46,6 +47,7 @@ def test_missing_path_and_plain_directory(tmp_path):
     assert _snapshot(target) == before
 
 
+@needs_torch
 def test_foreign_hdf5_and_zarr_files(tmp_path):
     with h5py.File(tmp_path / "other.h5", "w") as f:
         f["0.weight"] = np.zeros((6, 3), np.float32)
@@ -60,6 +62,7 @@ def test_foreign_hdf5_and_zarr_files(tmp_path):
     assert _snapshot(target) == before
 
 
+@needs_torch
 def test_checkpoint_of_another_model_lists_every_difference(saved):
     target = _model(width=7)
     before = _snapshot(target)
@@ -82,6 +85,7 @@ def test_checkpoint_of_another_model_lists_every_difference(saved):
     assert _snapshot(target) == before
 
 
+@needs_torch
 def test_missing_and_extra_tensors_strict_and_not(saved):
     target = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.BatchNorm1d(6))
     before = _snapshot(target)
@@ -106,6 +110,7 @@ def _truncate(path, fraction):
     victim.write_bytes(data[: int(len(data) * fraction)])
 
 
+@needs_torch
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.9])
 def test_truncated_checkpoint(saved, fraction):
     _truncate(saved, fraction)
@@ -148,12 +153,14 @@ def _edit_root_layout(path, name, **changes):
             f.attrs["layout"] = h5_text(text)
 
 
+@needs_torch
 def test_attributes_that_lie_about_shape(saved):
     _edit_attrs(saved, "0.weight", shape=[3, 6] if saved.is_dir() else np.array([3, 6]))
     with pytest.raises(ls.IntegrityError, match="attribute shape"):
         ls.open(saved)
 
 
+@needs_torch
 def test_attributes_and_layout_that_lie_consistently(saved):
     # Both the root layout and the attributes claim 2x9; the payload holds 6x3.
     _edit_root_layout(saved, "0.weight", shape=[2, 9])
@@ -165,6 +172,7 @@ def test_attributes_and_layout_that_lie_consistently(saved):
     assert _snapshot(target) == before
 
 
+@needs_torch
 def test_attributes_that_lie_about_format(saved):
     _edit_root_layout(saved, "0.bias", format="bfloat16", width=16)
     _edit_attrs(saved, "0.bias", format="bfloat16", width=16)
@@ -172,12 +180,14 @@ def test_attributes_that_lie_about_format(saved):
         ls.open(saved)
 
 
+@needs_torch
 def test_width_mismatch_in_layout(saved):
     _edit_root_layout(saved, "0.bias", width=16)
     with pytest.raises(ls.IntegrityError, match="width"):
         ls.open(saved)
 
 
+@needs_torch
 def test_uncommitted_and_future_checkpoints(saved):
     if saved.is_dir():
         meta = json.loads((saved / "zarr.json").read_text())
@@ -190,6 +200,7 @@ def test_uncommitted_and_future_checkpoints(saved):
         ls.open(saved)
 
 
+@needs_torch
 def test_future_format_version(saved):
     if saved.is_dir():
         meta = json.loads((saved / "zarr.json").read_text())
@@ -234,6 +245,7 @@ def test_duplicate_names_in_a_layout():
         ls.Layout.from_specs([("a", (1,), f32), ("a", (2,), f32)])
 
 
+@needs_torch
 def test_unsupported_values_are_refused(tmp_path):
     with pytest.raises(ls.CheckpointError):
         ls.save({"a": [1, 2, 3]}, tmp_path / "x.h5")
@@ -244,6 +256,7 @@ def test_unsupported_values_are_refused(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@needs_torch
 def test_slicing_errors(saved):
     with ls.open(saved) as ck:
         with pytest.raises(ls.CheckpointError, match="out of bounds"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from helpers import ALL_FORMATS, BACKENDS, SUFFIX, assert_same_state, raw, sample_bits, value_of
+from torch_optional import needs_torch, torch
 
 import lean_store as ls
 
@@ -71,6 +71,7 @@ def _model() -> torch.nn.Module:
     )
 
 
+@needs_torch
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_module_with_buffers(tmp_path, backend):
     torch.manual_seed(0)
@@ -93,6 +94,7 @@ def test_torch_module_with_buffers(tmp_path, backend):
         assert ck.kind == "module"
 
 
+@needs_torch
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_dtypes_and_load_state_like(tmp_path, backend):
     torch.manual_seed(0)
@@ -161,6 +163,7 @@ def test_backend_from_suffix_and_errors(tmp_path):
     assert not (tmp_path / "empty.h5").exists()
 
 
+@needs_torch
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_explicit_cast_only(tmp_path, backend):
     path = tmp_path / f"cast{SUFFIX[backend]}"

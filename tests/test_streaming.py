@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
+from torch_optional import needs_torch, torch
 
 import lean_store as ls
 from lean_store.checkpoint import write_source
@@ -22,8 +22,14 @@ from lean_store.errors import CheckpointError
 from lean_store.formats import of_numpy_dtype
 from lean_store.layout import Entry, Layout
 from lean_store.sources.base import SourceTensor, TensorSource
-from lean_store.sources.torch_source import TorchCopyEngine, TorchSourceTensor, format_of_dtype
 from lean_store.stream import BufferPool, CopyEngine, staged
+
+if torch is not None:  # lean_store.sources.torch_source imports torch
+    from lean_store.sources.torch_source import (
+        TorchCopyEngine,
+        TorchSourceTensor,
+        format_of_dtype,
+    )
 
 
 class FakeEngine(CopyEngine):
@@ -214,7 +220,9 @@ def test_write_source_from_fake_device_is_bounded(tmp_path, suffix, budget) -> N
         np.testing.assert_array_equal(back[name], a)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.complex64, torch.int64, torch.bool])
+@needs_torch
+@pytest.mark.parametrize("dtype", [] if torch is None else [
+    torch.bfloat16, torch.complex64, torch.int64, torch.bool])
 def test_torch_copy_engine_bits_match(dtype) -> None:
     g = torch.Generator().manual_seed(0)
     base = torch.randn(40, 24, 6, generator=g).to(dtype) if dtype != torch.complex64 else (
@@ -235,6 +243,7 @@ def test_torch_copy_engine_bits_match(dtype) -> None:
     assert n == len(items) > 4
 
 
+@needs_torch
 def test_cpu_torch_source_is_zero_copy() -> None:
     t = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
     src = TorchSourceTensor(t, format_of_dtype(torch.float32))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import crc32c
+import google_crc32c
 import numpy as np
 import pytest
 
@@ -77,7 +77,7 @@ def _rewrite_index(shard: Path, change: object) -> None:
     index = np.frombuffer(bytes(data[start:-4]), "<u8").reshape(slots, 2).copy()
     change(index)  # type: ignore[operator]
     raw = index.tobytes()
-    data[start:] = raw + crc32c.crc32c(raw).to_bytes(4, "little")
+    data[start:] = raw + google_crc32c.value(raw).to_bytes(4, "little")
     shard.write_bytes(bytes(data))
 
 

@@ -34,7 +34,7 @@ from ..hardening import (
 )
 from ..layout import Entry
 from ..replacement import PinnedRoot, SaveIdWatch, check_unchanged
-from ..zarr_crc import LeanCrc32cCodec
+from ..zarr_compat import crc32c_codec, local_root
 from ..zarr_direct import DirectWriter, direct_ok
 from ..zarr_direct_read import DirectReader, direct_read_ok
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
@@ -71,7 +71,7 @@ def _compressors(compression: Any) -> list[Any]:
         codecs = [BloscCodec()]
     else:
         raise CheckpointError(f"unknown zarr compression {compression!r}; use zstd, gzip or blosc")
-    return codecs + [LeanCrc32cCodec()]  # stock crc32c bytes, a cheaper encoder
+    return codecs + [crc32c_codec()]  # stock crc32c bytes, a cheaper encoder where it can
 
 
 class ZarrTensorWriter(TensorWriter):
@@ -162,7 +162,7 @@ class ZarrReader(StoreReader):
 
     def __init__(self, source: Any, where: str | None = None) -> None:
         """``where``: how errors name the store (default: ``str(source)``)."""
-        self._root = Path(source) if isinstance(source, (str, os.PathLike)) else None
+        self._root: Path | None = local_root(source)  # a directory, or None: any other store
         self._where = str(source) if where is None else where
         # a local store's root directory is held open first: direct reads open files relative
         # to it (the tree opened, even once replaced), and any other read is checked against it
