@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+MAX_LISTED = 20  # problems one error message names; the rest are counted
+
 
 class CheckpointError(Exception):
     """Base class of every error lean_store raises on purpose."""
@@ -28,3 +30,16 @@ class IntegrityError(CheckpointError):
 
 class UnsafeFileError(IntegrityError):
     """A file tries to reach outside the checkpoint or to make the reader allocate absurd sizes."""
+
+
+class UnsupportedValueError(CheckpointError):
+    """A state entry cannot be stored as a tensor (not a tensor, sparse, meta, quantized, ...);
+    the message names the entry and what to do instead."""
+
+
+def listing(lines: list[str], limit: int = MAX_LISTED) -> str:
+    """``lines`` as an indented list for an error message: the first ``limit`` of them and a
+    count of the rest, so that a message stays short however many problems a file has."""
+    shown = "\n".join(f"  - {line}" for line in lines[:limit])
+    rest = len(lines) - limit
+    return shown + (f"\n  ... and {rest} more" if rest > 0 else "")
