@@ -81,6 +81,7 @@ def check_checkpoint_path(path: str | os.PathLike, *, what: str = "checkpoint") 
     Checked with ``stat`` before anything opens the path: opening a FIFO blocks forever and a
     device reads without end, so they are refused with what they are, never opened."""
     p = os.fspath(path)
+    must = f"{'an' if what[:1] in 'aeiou' else 'a'} {what} must be a regular file or a directory"
     try:
         link = os.lstat(p)
     except FileNotFoundError:
@@ -90,7 +91,7 @@ def check_checkpoint_path(path: str | os.PathLike, *, what: str = "checkpoint") 
     if stat.S_ISREG(link.st_mode) or stat.S_ISDIR(link.st_mode):
         return
     if not stat.S_ISLNK(link.st_mode):
-        raise CheckpointError(f"{p} is {_kind_of(link.st_mode)}, not a {what} file or directory")
+        raise CheckpointError(f"{p} is {_kind_of(link.st_mode)}; {must}")
     try:
         target = os.stat(p)
     except OSError:
@@ -99,8 +100,8 @@ def check_checkpoint_path(path: str | os.PathLike, *, what: str = "checkpoint") 
         ) from None
     if not (stat.S_ISREG(target.st_mode) or stat.S_ISDIR(target.st_mode)):
         raise CheckpointError(
-            f"{p} is a symlink to {os.path.realpath(p)}, which is {_kind_of(target.st_mode)}, "
-            f"not a {what} file or directory"
+            f"{p} is a symlink to {os.path.realpath(p)}, which is {_kind_of(target.st_mode)}; "
+            f"{must}"
         )
 
 

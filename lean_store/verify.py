@@ -26,11 +26,12 @@ import crc32c as _crc32c
 import numpy as np
 
 from .chunking import Region, iter_regions
-from .errors import CheckpointError, IntegrityError
+from .errors import CheckpointError, IntegrityError, listing
 from .layout import Entry
 from .stores.base import Selection
 
 _EMPTY = (1 << 64) - 1  # a Zarr shard index slot with no chunk
+MAX_LISTED_PROBLEMS = 50  # problems str(report) names; ``problems`` holds every one
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class VerifyReport:
         )
         if self.ok:
             return f"{head}: OK"
-        lines = "\n".join(f"  - {p}" for p in self.problems)
+        lines = listing([str(p) for p in self.problems], MAX_LISTED_PROBLEMS)
         return f"{head}: {len(self.problems)} problem(s)\n{lines}"
 
 

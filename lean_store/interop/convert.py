@@ -184,6 +184,10 @@ class Input:
 
 def open_input(path: str | os.PathLike, fmt: str | None = None) -> Input:
     """Open any supported file for conversion (lean_store inputs are fully validated)."""
+    if not (isinstance(path, str) and "://" in path):
+        from ..hardening import check_checkpoint_path
+
+        check_checkpoint_path(path, what="input")  # a FIFO or device is never opened
     fmt = format_of_path(path, fmt, reading=True)
     if fmt in ("hdf5", "zarr"):
         from ..checkpoint import Checkpoint
