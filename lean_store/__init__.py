@@ -14,7 +14,14 @@ from .async_save import SaveHandle, save_async
 from .checkpoint import Checkpoint, LoadResult, TensorHandle, load, load_state, open, save
 from .checkpointer import Checkpointer
 from .encoded import Encoded
-from .errors import CheckpointError, FormatError, IntegrityError, LayoutError, UnsafeFileError
+from .errors import (
+    CheckpointError,
+    FormatError,
+    IntegrityError,
+    LayoutError,
+    UnsafeFileError,
+    UnsupportedValueError,
+)
 from .formats import ScalarFormat
 from .layout import Difference, Entry, Layout
 from .training import TrainingInfo, load_optimizer, load_training, save_optimizer, save_training
@@ -37,6 +44,7 @@ __all__ = [
     "TensorHandle",
     "TrainingInfo",
     "UnsafeFileError",
+    "UnsupportedValueError",
     "distributed",
     "formats",
     "load",

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import lean_store as ls
-from lean_store.errors import UnsupportedValueError
+from lean_store import UnsupportedValueError
 
 ROOT = Path(__file__).resolve().parents[1]
 RNG = np.random.default_rng(11)
@@ -26,7 +26,8 @@ SMALL_CHUNKS = 1 << 16  # chunks of (16, 1000) float32: 19 per tensor
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-m", "lean_store", *args], capture_output=True,
                           text=True, env=env, timeout=120)
 
