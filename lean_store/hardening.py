@@ -126,40 +126,31 @@ def hdf5_superblock_offset(path: str | os.PathLike) -> int | None:
 # ------------------------------------------------------------------------------------ JSON
 
 
-@dataclass(frozen=True)
-class JsonShape:
-    """What a scan of raw JSON text found, before any parser built it."""
-
-    depth: int  # deepest nesting of arrays/objects
-    items: int  # values at depth 1 (elements of a top-level array or object)
+_BRACKETS = np.zeros(256, np.int8)
+_BRACKETS[[ord("["), ord("{")]] = 1
+_BRACKETS[[ord("]"), ord("}")]] = -1
 
 
-def json_shape(raw: str | bytes, block: int = 1 << 22) -> JsonShape:
-    """Nesting depth and top-level item count of JSON text, without parsing it: linear time,
-    bounded memory, no recursion. Escape pairs are cut out first (``\\\\`` then ``\\"``,
-    left to right as a JSON lexer pairs them), so the quotes left delimit strings; brackets
-    and commas count only outside strings. For malformed text the figures are an estimate;
-    the parser that follows reports the error."""
+def json_depth(raw: str | bytes, block: int = 1 << 22) -> int:
+    """Deepest nesting of arrays and objects in JSON text, found without parsing it: linear
+    time, bounded memory, no recursion. Escape pairs are cut out first (a backslash pair, then
+    an escaped quote, left to right as a JSON lexer pairs them), so the quotes left delimit
+    strings, and brackets count only outside them. For malformed text the figure is an
+    estimate; the parser that follows reports the error."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
     data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
-    depth, deepest, items, quoted, opened = 0, 0, 0, 0, False
+    depth, deepest, quoted = 0, 0, 0
     for at in range(0, len(data), block):
         codes = np.frombuffer(data, np.uint8, min(block, len(data) - at), at)
         # parity of the quotes so far (a uint8 sum wraps, its parity does not)
         inside = (np.cumsum(codes == ord('"'), dtype=np.uint8) + quoted) & 1
         quoted = int(inside[-1])
-        outside = inside == 0
-        step = ((codes == ord("[")) | (codes == ord("{"))) & outside
-        levels = depth + np.cumsum(
-            step.astype(np.int64) - (((codes == ord("]")) | (codes == ord("}"))) & outside)
-        )
-        deepest = max(deepest, int(levels.max()))
-        items += int(np.count_nonzero((codes == ord(",")) & outside & (levels == 1)))
-        opened = opened or bool(step.any())
-        depth = int(levels[-1])
-    if opened and data.strip()[1:-1].strip():
-        items += 1  # one more value than commas between them
-    return JsonShape(deepest, items)
+        step = _BRACKETS[codes]
+        step[inside.view(bool)] = 0
+        levels = np.cumsum(step, dtype=np.int64)
+        deepest = max(deepest, depth + int(levels.max()))
+        depth += int(levels[-1])
+    return deepest
 
 
 def check_json_depth(raw: str | bytes, where: str, limit: int = MAX_JSON_DEPTH) -> None:
@@ -168,7 +159,7 @@ def check_json_depth(raw: str | bytes, where: str, limit: int = MAX_JSON_DEPTH) 
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     if data.count(b"[") + data.count(b"{") <= limit:
         return  # cannot nest deeper than it has brackets
-    depth = json_shape(data).depth
+    depth = json_depth(data)
     if depth > limit:
         raise UnsafeFileError(
             f"{where}: JSON nested {depth} levels deep (limit {limit}); refusing to parse it"
@@ -452,7 +443,7 @@ def check_zarr_keys_exist(node: str, array: Any, keys: list[str]) -> None:
 
 __all__ = [
     "MAX_ATTR_BYTES", "MAX_CHUNK_BYTES", "MAX_JSON_DEPTH", "MAX_METADATA_BYTES",
-    "check_checkpoint_path", "check_chunk_shape", "check_json_depth", "json_shape",
+    "check_checkpoint_path", "check_chunk_shape", "check_json_depth", "json_depth",
     "check_hdf5_present", "check_zarr_array", "check_zarr_key", "check_zarr_present",
     "read_hdf5_attrs", "scan_local_zarr",
 ]

@@ -23,7 +23,7 @@ from .errors import (
     listing,
 )
 from .formats import BinaryFormat, ComplexFormat, get
-from .hardening import json_shape
+from .hardening import json_depth
 from .layout import Entry, Layout
 from .naming import node_name
 from .stores.base import FORMAT_NAME, FORMAT_VERSION, StoredTensor, StoreReader
@@ -32,6 +32,7 @@ KINDS = ("state", "module", "optimizer", "training")
 MAX_ELEMENTS = 1 << 48  # a claimed size beyond this is rejected, never allocated
 MAX_LAYOUT_TEXT = 64 << 20
 MAX_LAYOUT_DEPTH = 8  # a layout is a list of objects holding a shape list: 3 levels
+MAX_ENTRY_TEXT = 16 << 10  # one layout entry: a 1024-character name escaped 12 bytes a char
 
 
 def tensor_attrs(entry: Entry, storage: str) -> dict[str, Any]:
@@ -76,10 +77,10 @@ def parse_root(
 ) -> tuple[int, str, Layout]:
     """Check the header and return (format version, kind, layout).
 
-    The layout is parsed only after its size, nesting and entry count have been checked on the
-    raw text, and after ``tensor_count`` has been compared with ``present()`` (the datasets
-    the store actually holds): a forged layout cannot make the reader build more than the file
-    holds, nor recurse without bound."""
+    ``tensor_count`` is compared with ``present()`` (the datasets the store actually holds),
+    and the layout text's size (with ``tensor_count``) and nesting depth are checked on the raw
+    text, all before the layout is parsed: a forged layout cannot make the reader build more
+    than the file holds, nor recurse without bound."""
     if attrs.get("lean_store") != FORMAT_NAME:
         raise IntegrityError(f"{where} is not a lean_store checkpoint (no 'lean_store' header)")
     version = attrs.get("format_version")
@@ -107,17 +108,16 @@ def parse_root(
             )
     text = attrs.get("layout")
     if isinstance(text, str):
-        if len(text) > MAX_LAYOUT_TEXT:
-            raise IntegrityError(f"{where}: layout text of {len(text)} bytes is absurd")
-        shape = json_shape(text)  # before json.loads builds anything
-        if shape.depth > MAX_LAYOUT_DEPTH:
-            raise UnsafeFileError(
-                f"{where}: layout JSON nested {shape.depth} levels deep (a layout nests 3); "
-                "refusing to parse it"
-            )
-        if shape.items != count:
+        if len(text) > MAX_LAYOUT_TEXT or len(text) > 2 + count * MAX_ENTRY_TEXT:
             raise IntegrityError(
-                f"{where}: tensor_count {count} but the layout lists {shape.items}"
+                f"{where}: layout text of {len(text)} bytes is far longer than {count} tensors "
+                "need; the checkpoint is forged or corrupt"
+            )
+        depth = json_depth(text)  # before json.loads could recurse into it
+        if depth > MAX_LAYOUT_DEPTH:
+            raise UnsafeFileError(
+                f"{where}: layout JSON nested {depth} levels deep (a layout nests 3); "
+                "refusing to parse it"
             )
         try:
             items = json.loads(text)
@@ -125,8 +125,8 @@ def parse_root(
             raise IntegrityError(f"{where}: layout is not valid JSON ({exc})") from None
     else:
         items = text
-        if isinstance(items, list) and len(items) != count:
-            raise IntegrityError(f"{where}: tensor_count {count} but the layout lists {len(items)}")
+    if isinstance(items, list) and len(items) != count:
+        raise IntegrityError(f"{where}: tensor_count {count} but the layout lists {len(items)}")
     try:
         layout = Layout.from_json(items)
     except (LayoutError, FormatError) as exc:

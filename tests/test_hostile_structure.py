@@ -17,7 +17,7 @@ import pytest
 
 import lean_store as ls
 from lean_store import cli
-from lean_store.hardening import MAX_TREE_DEPTH, json_shape
+from lean_store.hardening import MAX_TREE_DEPTH, json_depth
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(3, dtype=np.int64)}
@@ -84,29 +84,42 @@ def zdir(tmp_path) -> Path:
 # ------------------------------------------------------------------ 12: JSON nesting
 
 
-def test_json_shape_counts_depth_and_items_outside_strings() -> None:
-    assert json_shape("[]") == json_shape(b"[]")
-    assert (json_shape("[]").depth, json_shape("[]").items) == (1, 0)
-    assert (json_shape('[1, [2, 3], {"a": [4]}]').depth, json_shape("[1, [2, 3]]").items) == (3, 2)
-    tricky = r'[{"name": "a[[[,{\"b", "x": "\\"}, {"name": "]],\\\\"}]'
-    assert json.loads(tricky)  # valid JSON: brackets, commas and quotes inside strings
-    assert (json_shape(tricky).depth, json_shape(tricky).items) == (2, 2)
-    assert json_shape(DEEP).depth == 100_000
+def test_json_depth_counts_brackets_outside_strings_only() -> None:
+    assert (json_depth("5"), json_depth("[]"), json_depth(b"[1, [2, 3]]")) == (0, 1, 2)
+    assert json_depth('[1, [2, 3], {"a": [4]}]') == 3
+    tricky = r'[{"name": "a[[[,{\"b", "x": "\\"}, {"name": "]],\\\\"}, ["\\\""]]'
+    assert json.loads(tricky)  # valid JSON: brackets, backslashes and quotes inside strings
+    assert json_depth(tricky) == 2
+    assert json_depth(DEEP) == 100_000
+    assert json_depth(DEEP, block=1000) == 100_000  # the same across block boundaries
 
 
-def test_hdf5_layout_nested_100000_deep_is_refused(h5) -> None:
-    _set_h5_root(h5, layout=DEEP)
-    with pytest.raises(ls.UnsafeFileError, match="nested 100000 levels"):
+@pytest.mark.parametrize("depth", [100_000, 10_000])
+def test_hdf5_layout_nested_deep_is_refused(h5, depth, capsys) -> None:
+    _set_h5_root(h5, layout="[" * depth + "]" * depth)
+    # 100,000 levels are far more text than 2 tensors need; 10,000 fit and are refused for depth
+    what = "far longer than 2 tensors need" if depth == 100_000 else f"nested {depth} levels"
+    with pytest.raises(ls.IntegrityError, match=what):
         ls.open(h5)
     report = ls.verify(h5)
-    assert not report.ok and "nested" in str(report)
-    line = _one_clean_line(_cli("inspect", str(h5)))
-    assert "nested 100000 levels" in line
+    assert not report.ok and what in str(report)
+    line = _one_clean_line(_main(capsys, "inspect", str(h5)))
+    assert what in line
 
 
-def test_zarr_layout_text_nested_100000_deep_is_refused(zdir) -> None:
-    _set_zarr_root(zdir, layout=DEEP)
+def test_layout_nesting_is_refused_even_where_the_text_may_be_long(tmp_path) -> None:
+    state = {f"t{i}": np.zeros(1, np.float32) for i in range(40)}  # room for a 650 KB layout
+    path = tmp_path / "many.h5"
+    ls.save(state, path)
+    _set_h5_root(path, layout=DEEP)
     with pytest.raises(ls.UnsafeFileError, match="nested 100000 levels"):
+        ls.open(path)
+
+
+@pytest.mark.parametrize("depth", [100_000, 10_000])
+def test_zarr_layout_text_nested_deep_is_refused(zdir, depth) -> None:
+    _set_zarr_root(zdir, layout="[" * depth + "]" * depth)
+    with pytest.raises(ls.IntegrityError, match="far longer|nested 10000 levels"):
         ls.load_state(zdir)
 
 
@@ -180,7 +193,7 @@ def test_layout_listing_far_more_tensors_than_present_is_refused_briefly(h5, cou
     if count == MANY:
         assert f"tensor_count {MANY} but the store holds only 2 datasets" in message
     else:
-        assert f"tensor_count 2 but the layout lists {MANY}" in message
+        assert "far longer than 2 tensors need" in message
 
 
 def test_zarr_layout_listing_far_more_tensors_than_present_is_refused(zdir) -> None:
