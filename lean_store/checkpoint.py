@@ -29,7 +29,6 @@ from .stream import staged
 
 BACKENDS = ("hdf5", "zarr")
 _SUFFIXES = {".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", ".zarr": "zarr"}
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def backend_for(path: str | os.PathLike, backend: str | None = None) -> str:

@@ -66,12 +66,12 @@ def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading
             raise CheckpointError(f"no file at {p}: the path does not exist")
         if p.is_dir():
             return "zarr"
-        from ..checkpoint import HDF5_SIGNATURE
+        from ..hardening import hdf5_superblock_offset
         from .torchlean_bridge import sniff
 
         with p.open("rb") as f:
             head = f.read(8)
-        if head == HDF5_SIGNATURE:
+        if hdf5_superblock_offset(p) is not None:  # at 0 or after a user block
             return "hdf5"
         found = sniff(p)
         if found is not None and (found != "torchlean-json" or p.suffix.lower() == ".json"):
