@@ -23,6 +23,7 @@ from .errors import (
     LayoutError,
     SaveIOError,
     UnsafeFileError,
+    UnsupportedValueError,
 )
 from .formats import ScalarFormat
 from .layout import Difference, Entry, Layout
@@ -49,6 +50,7 @@ __all__ = [
     "TensorHandle",
     "TrainingInfo",
     "UnsafeFileError",
+    "UnsupportedValueError",
     "distributed",
     "formats",
     "load",

@@ -57,6 +57,9 @@ def detect_backend(path: str | os.PathLike) -> str:
         return "zarr"  # a zarr store object (LocalStore, ZipStore, MemoryStore, FsspecStore)
     if isinstance(path, str) and "://" in path:
         return "zarr"  # fsspec URLs (file://, s3://, ...) hold Zarr stores
+    from .hardening import check_checkpoint_path, hdf5_superblock_offset
+
+    check_checkpoint_path(path)  # a FIFO or device is refused here, never opened
     p = Path(path)
     if p.is_dir():
         if (p / "zarr.json").is_file():
@@ -64,13 +67,12 @@ def detect_backend(path: str | os.PathLike) -> str:
         if (p / "lean_store.h5").is_file():
             return "hdf5"  # a sharded HDF5 checkpoint directory (lean_store.distributed)
         raise IntegrityError(f"{p} is a directory but not a lean_store checkpoint (no zarr.json)")
-    if p.is_file():
-        with p.open("rb") as f:
-            head = f.read(8)
-        if head == HDF5_SIGNATURE:
-            return "hdf5"
-        raise IntegrityError(f"{p} is not a lean_store checkpoint (not an HDF5 file or Zarr store)")
-    raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    if hdf5_superblock_offset(p) is not None:  # at 0, or after a user block (h5jam)
+        return "hdf5"
+    raise IntegrityError(
+        f"{p} is not a lean_store checkpoint (no HDF5 signature at offset 0 or after a user "
+        "block at 512, 1024, 2048, ... bytes, and not a Zarr directory)"
+    )
 
 
 def open_writer(
@@ -98,6 +100,10 @@ def open_writer(
 def open_reader(path: Any, backend: str | None = None) -> StoreReader:
     if backend is None:
         backend = detect_backend(path)
+    elif isinstance(path, (str, os.PathLike)) and "://" not in str(path):
+        from .hardening import check_checkpoint_path
+
+        check_checkpoint_path(path)
     if backend == "hdf5":
         from .distributed.hdf5_sharded import ShardedHDF5Reader, sharded_dir_of
         from .stores.hdf5 import HDF5Reader
@@ -362,7 +368,9 @@ class Checkpoint(Mapping[str, TensorHandle]):
         try:
             self.backend = self._reader.backend
             self.root_attrs = self._reader.root_attrs
-            self.format_version, self.kind, self.layout = parse_root(self.root_attrs, str(path))
+            self.format_version, self.kind, self.layout = parse_root(
+                self.root_attrs, str(path), present=lambda: len(self._reader.nodes())
+            )
             self._stored = check_stored(self._reader, self.layout, str(path))
             from .distributed.sharded_read import stored_shards
 

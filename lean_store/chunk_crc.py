@@ -79,12 +79,23 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return _gf2_apply(_shift_operator(len_b), crc_a) ^ crc_b
 
 
-def parse_table(value: Any, n_chunks: int, where: str) -> np.ndarray:
+def parse_table(
+    value: Any, n_chunks: int, where: str, *, shape: tuple[int, ...] | None = None,
+    chunks: tuple[int, ...] | None = None,
+) -> np.ndarray:
     """The ``chunk_crc32c`` attribute as a uint32 array of ``n_chunks`` values, or a typed
-    error for anything else (wrong type, rank or length)."""
+    error for anything else (wrong type, rank or length). With the dataset's ``shape`` and
+    ``chunks``, a table that cannot belong to that chunking (wrong length, or chunks that are
+    not the row blocks lean_store writes) is reported as a re-chunked dataset."""
     if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu":
         raise IntegrityError(f"{where}: {CHUNK_CRC_ATTR} is not an integer array ({value!r:.80})")
-    if value.ndim != 1 or value.size != n_chunks:
+    if value.ndim != 1:
+        raise IntegrityError(f"{where}: {CHUNK_CRC_ATTR} is not a flat list ({value.ndim}-d)")
+    if shape is not None and chunks is not None and (
+        value.size != n_chunks or not is_row_block(shape, chunks)
+    ):
+        raise IntegrityError(rechunked_message(where, shape, chunks, value.size))
+    if value.size != n_chunks:
         raise IntegrityError(
             f"{where}: {CHUNK_CRC_ATTR} holds {value.size} values for {n_chunks} chunks"
         )
@@ -93,6 +104,59 @@ def parse_table(value: Any, n_chunks: int, where: str) -> np.ndarray:
             raise IntegrityError(f"{where}: {CHUNK_CRC_ATTR} holds values outside uint32")
         value = value.astype(np.uint32)
     return value
+
+
+def is_row_block(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
+    """Chunks of the form lean_store writes: ``(1, ..., 1, c, d(k+1), ..., dn)``."""
+    if len(chunks) != len(shape):
+        return False
+    split = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), None)
+    if split is None:
+        return True  # one chunk holds it all
+    return all(c == 1 for c in chunks[:split]) and all(
+        c >= d for c, d in zip(chunks[split + 1 :], shape[split + 1 :])
+    )
+
+
+def table_chunks(shape: tuple[int, ...], n_table: int) -> list[tuple[int, ...]]:
+    """The row-block chunk shapes whose grid has ``n_table`` chunks (what a table of that
+    length was written for), at most a few; [] when none fits."""
+    found: list[tuple[int, ...]] = []
+    outer = 1
+    for k, d in enumerate(shape):
+        if n_table % outer == 0 and d > 0:
+            along = n_table // outer
+            rows = [c for c in range(-(-d // max(1, along)), d + 1) if -(-d // c) == along]
+            found.extend((1,) * k + (c,) + tuple(shape[k + 1 :]) for c in rows[:3])
+        outer *= max(1, d)
+        if outer > n_table:
+            break
+    return found[:3]
+
+
+def rechunked_message(
+    where: str, shape: tuple[int, ...], chunks: tuple[int, ...], n_table: int
+) -> str:
+    """Why a dataset whose chunking no longer matches its ``chunk_crc32c`` table is refused,
+    and what to do about it."""
+    grid = table_size(shape, chunks)
+    wanted = table_chunks(shape, n_table)
+    node = where.strip("'\"")
+    if len(wanted) == 1:
+        back = (
+            f"re-chunk it back (h5repack -l {node}:CHUNK={'x'.join(map(str, wanted[0]))}), or "
+        )
+        table = f"chunks of {wanted[0]}"
+    else:
+        back = ""
+        table = "lean_store's row-block chunks" + (f" (e.g. {wanted[0]})" if wanted else "")
+    return (
+        f"{where}: its {CHUNK_CRC_ATTR} table holds {n_table} values for {grid} chunks of "
+        f"{chunks}; it was written for {table}: the dataset was re-chunked after lean_store "
+        "wrote it (e.g. by h5repack -l CHUNK=...). The data may be intact, but the per-chunk "
+        f"checksums no longer apply, so it is not read. To use it, {back}restore the original "
+        "file, or re-save the tensors with lean_store from a copy you trust"
+    )
 
 
 def grid_shape(shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, ...]:
@@ -113,5 +177,5 @@ def table_size(shape: tuple[int, ...], chunks: tuple[int, ...]) -> int:
 
 __all__ = [
     "CHECKSUMS", "CHUNK_CRC_ATTR", "chunk_number", "crc32c_combine", "crc32c_of", "grid_shape",
-    "parse_table", "table_size",
+    "is_row_block", "parse_table", "rechunked_message", "table_size",
 ]

@@ -2,8 +2,9 @@
 
 Exit status: 0 success (for ``verify`` and ``diff``: no problem, identical); 1 a problem was
 found in the data (corrupt or incomplete checkpoint, checksum mismatch, differences); 2 a usage
-or other error (bad arguments, missing file, a format the target cannot hold). Errors are one
-clear line on stderr, never a traceback (set ``LEAN_STORE_DEBUG=1`` to see one).
+or other error (bad arguments, missing file, a path that is not a regular file or directory, a
+format the target cannot hold), and also any unexpected failure; 130 interrupted. Errors are
+one clear line on stderr, never a traceback (set ``LEAN_STORE_DEBUG=1`` to see one).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from .errors import CheckpointError, IntegrityError, LayoutError
 
 EXIT_OK, EXIT_PROBLEM, EXIT_ERROR = 0, 1, 2
+MAX_PRINTED = 50  # problems ``verify`` prints one per line; --json lists every one
 
 EPILOG = """\
 examples:
@@ -170,8 +172,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    if not os.path.lexists(args.checkpoint):
-        raise UsageError(f"no checkpoint at {args.checkpoint}: the path does not exist")
+    if "://" not in args.checkpoint:
+        from .hardening import check_checkpoint_path
+
+        try:  # missing, a FIFO, a device, a dangling link: a usage error, not damaged data
+            check_checkpoint_path(args.checkpoint)
+        except CheckpointError as exc:
+            raise UsageError(str(exc)) from None
     try:
         from .verify import verify
     except ImportError:  # pragma: no cover - the per-chunk verifier ships with lean_store
@@ -197,11 +204,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     elif ok:
         print(f"OK {args.checkpoint}: layout and every checksum verified ({summary})")
     else:
-        for p in problems:
+        for p in problems[:MAX_PRINTED]:
             where = "checkpoint" if p["tensor"] is None else f"tensor {p['tensor']!r}"
             if p["chunk"] is not None:
                 where += f" chunk {tuple(p['chunk'])}"
             print(f"BAD {args.checkpoint}: {where}: {p['message']}")
+        if len(problems) > MAX_PRINTED:
+            print(f"BAD {args.checkpoint}: ... and {len(problems) - MAX_PRINTED} more problems "
+                  "(--json lists them all)")
     return EXIT_OK if ok else EXIT_PROBLEM
 
 
@@ -391,13 +401,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lean-store {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except (OSError, ValueError, KeyError) as exc:
-        print(f"lean-store {args.command}: error: {exc}", file=sys.stderr)
+        print(f"lean-store {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         if os.environ.get("LEAN_STORE_DEBUG"):
             traceback.print_exc()
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"lean-store {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - the command line never shows a traceback
+        print(f"lean-store {args.command}: unexpected error: {type(exc).__name__}: "
+              f"{_one_line(exc)} (set LEAN_STORE_DEBUG=1 for a traceback)", file=sys.stderr)
+        if os.environ.get("LEAN_STORE_DEBUG"):
+            traceback.print_exc()
+        return EXIT_ERROR
+
+
+def _one_line(exc: BaseException, limit: int = 500) -> str:
+    """The first line of an exception's message, at most ``limit`` characters."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else "(no message)"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 __all__ = ["build_parser", "main"]

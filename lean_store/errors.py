@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 
+MAX_LISTED = 20  # problems one error message names; the rest are counted
+
 
 class CheckpointError(Exception):
     """Base class of every error lean_store raises on purpose."""
@@ -83,6 +85,8 @@ class SaveIOError(CheckpointError, OSError):
 
     def __str__(self) -> str:
         return self.message
+
+
 class CheckpointReplacedError(CheckpointError):
     """The checkpoint was replaced (by a new save to its path) or removed while open.
 
@@ -97,3 +101,16 @@ class CheckpointReplacedError(CheckpointError):
             f"{self.path} was replaced by a newer save (or removed) while open{more}; "
             "open it again to read the current checkpoint"
         )
+
+
+class UnsupportedValueError(CheckpointError):
+    """A state entry cannot be stored as a tensor (not a tensor, sparse, meta, quantized, ...);
+    the message names the entry and what to do instead."""
+
+
+def listing(lines: list[str], limit: int = MAX_LISTED) -> str:
+    """``lines`` as an indented list for an error message: the first ``limit`` of them and a
+    count of the rest, so that a message stays short however many problems a file has."""
+    shown = "\n".join(f"  - {line}" for line in lines[:limit])
+    rest = len(lines) - limit
+    return shown + (f"\n  ... and {rest} more" if rest > 0 else "")

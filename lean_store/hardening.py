@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .chunk_crc import CHUNK_CRC_ATTR
-from .errors import IntegrityError, UnsafeFileError
+from .errors import CheckpointError, IntegrityError, UnsafeFileError
 
 MAX_CHUNK_BYTES = 1 << 30  # one chunk (HDF5) or inner chunk (Zarr), decoded
 MAX_SHARD_BYTES = 8 << 30  # one Zarr shard file, decoded
@@ -27,6 +27,8 @@ MAX_ATTR_BYTES = 64 << 20  # one attribute value (the layout JSON is the largest
 MAX_ATTRS = 1024  # attributes per object
 MAX_METADATA_BYTES = 64 << 20  # one zarr.json
 MAX_RANK = 32
+MAX_JSON_DEPTH = 64  # nesting of any JSON lean_store parses (its own documents nest < 10 deep)
+MAX_TREE_DEPTH = MAX_RANK + 8  # directories below a Zarr root: node, "c", one per chunk axis
 ZARR_CODECS = frozenset(
     {"BytesCodec", "Crc32cCodec", "ShardingCodec", "ZstdCodec", "GzipCodec", "BloscCodec"}
 )
@@ -55,6 +57,112 @@ def check_chunk_shape(
 def chunk_count(shape: tuple[int, ...], chunks: tuple[int, ...]) -> int:
     """Chunks in the grid of ``shape``; 0 for an empty array."""
     return math.prod(-(-int(d) // int(c)) for d, c in zip(shape, chunks))
+
+
+# ----------------------------------------------------------------------------------- paths
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _kind_of(mode: int) -> str:
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def check_checkpoint_path(path: str | os.PathLike, *, what: str = "checkpoint") -> None:
+    """A local checkpoint path must be a regular file or a directory (or a symlink to one).
+
+    Checked with ``stat`` before anything opens the path: opening a FIFO blocks forever and a
+    device reads without end, so they are refused with what they are, never opened."""
+    p = os.fspath(path)
+    must = f"{'an' if what[:1] in 'aeiou' else 'a'} {what} must be a regular file or a directory"
+    try:
+        link = os.lstat(p)
+    except FileNotFoundError:
+        raise CheckpointError(f"no {what} at {p}: the path does not exist") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot inspect {p}: {exc.strerror or exc}") from None
+    if stat.S_ISREG(link.st_mode) or stat.S_ISDIR(link.st_mode):
+        return
+    if not stat.S_ISLNK(link.st_mode):
+        raise CheckpointError(f"{p} is {_kind_of(link.st_mode)}; {must}")
+    try:
+        target = os.stat(p)
+    except OSError:
+        raise CheckpointError(
+            f"{p} is a dangling symlink (to {os.readlink(p)!r}); no {what} is there"
+        ) from None
+    if not (stat.S_ISREG(target.st_mode) or stat.S_ISDIR(target.st_mode)):
+        raise CheckpointError(
+            f"{p} is a symlink to {os.path.realpath(p)}, which is {_kind_of(target.st_mode)}; "
+            f"{must}"
+        )
+
+
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def hdf5_superblock_offset(path: str | os.PathLike) -> int | None:
+    """Where the HDF5 superblock of a regular file starts, as libhdf5 looks for it: at 0, or
+    after a user block (``h5jam``, h5py's ``userblock_size``) at 512, 1024, 2048, ... bytes.
+    None when there is no signature. At most log2(size) reads of 8 bytes."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        offset = 0
+        while offset + len(HDF5_SIGNATURE) <= size:
+            f.seek(offset)
+            if f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
+                return offset
+            offset = 512 if offset == 0 else offset * 2
+    return None
+
+
+# ------------------------------------------------------------------------------------ JSON
+
+
+_BRACKETS = np.zeros(256, np.int8)
+_BRACKETS[[ord("["), ord("{")]] = 1
+_BRACKETS[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(raw: str | bytes, block: int = 1 << 22) -> int:
+    """Deepest nesting of arrays and objects in JSON text, found without parsing it: linear
+    time, bounded memory, no recursion. Escape pairs are cut out first (a backslash pair, then
+    an escaped quote, left to right as a JSON lexer pairs them), so the quotes left delimit
+    strings, and brackets count only outside them. For malformed text the figure is an
+    estimate; the parser that follows reports the error."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    depth, deepest, quoted = 0, 0, 0
+    for at in range(0, len(data), block):
+        codes = np.frombuffer(data, np.uint8, min(block, len(data) - at), at)
+        # parity of the quotes so far (a uint8 sum wraps, its parity does not)
+        inside = (np.cumsum(codes == ord('"'), dtype=np.uint8) + quoted) & 1
+        quoted = int(inside[-1])
+        step = _BRACKETS[codes]
+        step[inside.view(bool)] = 0
+        levels = np.cumsum(step, dtype=np.int64)
+        deepest = max(deepest, depth + int(levels.max()))
+        depth += int(levels[-1])
+    return deepest
+
+
+def check_json_depth(raw: str | bytes, where: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """:class:`UnsafeFileError` when JSON text nests deeper than ``limit`` (checked before any
+    parser recurses into it)."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return  # cannot nest deeper than it has brackets
+    depth = json_depth(data)
+    if depth > limit:
+        raise UnsafeFileError(
+            f"{where}: JSON nested {depth} levels deep (limit {limit}); refusing to parse it"
+        )
 
 
 # ----------------------------------------------------------------------------------- HDF5
@@ -171,23 +279,41 @@ def scan_local_zarr(root: Path) -> LocalTree:
     tree = LocalTree(root)
     if not (root / "zarr.json").exists():
         return tree  # the zarr open that follows reports the missing metadata
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        base = Path(dirpath)
-        rel = base.relative_to(root).as_posix()
-        prefix = "" if rel == "." else rel + "/"
-        for name in dirnames:
-            if (base / name).is_symlink():
-                raise UnsafeFileError(f"{prefix}{name}: a symlink inside the checkpoint")
-        for name in filenames:
-            info = os.lstat(base / name)
+    pending = [("", 0)]  # iterative, depth-first: no recursion, bounded depth
+    while pending:
+        prefix, depth = pending.pop()
+        try:
+            entries = list(os.scandir(root / prefix if prefix else root))
+        except OSError as exc:
+            raise IntegrityError(f"{prefix or '.'}: unreadable directory ({exc})") from None
+        for entry in entries:
+            key = prefix + entry.name
+            info = entry.stat(follow_symlinks=False)
             if stat.S_ISLNK(info.st_mode):
-                raise UnsafeFileError(f"{prefix}{name}: a symlink inside the checkpoint")
+                raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
+            if stat.S_ISDIR(info.st_mode):
+                if depth + 1 > MAX_TREE_DEPTH:
+                    raise UnsafeFileError(
+                        f"{key}: directories nested more than {MAX_TREE_DEPTH} deep inside the "
+                        "checkpoint; no lean_store writer makes them"
+                    )
+                pending.append((key + "/", depth + 1))
+                continue
             if not stat.S_ISREG(info.st_mode):
-                raise UnsafeFileError(f"{prefix}{name}: not a regular file")
-            if name == "zarr.json" and info.st_size > MAX_METADATA_BYTES:
-                raise UnsafeFileError(f"{prefix}{name}: {info.st_size} bytes of metadata")
-            tree.files[prefix + name] = info.st_size
+                raise UnsafeFileError(f"{key}: {_kind_of(info.st_mode)} inside the checkpoint")
+            if entry.name == "zarr.json":
+                _check_zarr_json(root / key, key, info.st_size)
+            tree.files[key] = info.st_size
     return tree
+
+
+def _check_zarr_json(path: Path, key: str, size: int) -> None:
+    """Bounded size and nesting, checked on the raw bytes before zarr parses them."""
+    if size > MAX_METADATA_BYTES:
+        raise UnsafeFileError(f"{key}: {size} bytes of metadata")
+    with path.open("rb") as f:
+        raw = f.read(MAX_METADATA_BYTES + 1)
+    check_json_depth(raw, key)
 
 
 def check_zarr_key(key: str) -> None:
@@ -320,7 +446,8 @@ def zarr_grid(node: str, array: Any) -> tuple[int, ...]:
 
 
 __all__ = [
-    "MAX_ATTR_BYTES", "MAX_CHUNK_BYTES", "MAX_METADATA_BYTES", "check_chunk_shape",
+    "MAX_ATTR_BYTES", "MAX_CHUNK_BYTES", "MAX_JSON_DEPTH", "MAX_METADATA_BYTES",
+    "check_checkpoint_path", "check_chunk_shape", "check_json_depth", "json_depth",
     "check_hdf5_present", "check_zarr_array", "check_zarr_key", "check_zarr_present",
     "read_hdf5_attrs", "scan_local_zarr",
 ]

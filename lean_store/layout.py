@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import FormatError, LayoutError
+from .errors import FormatError, LayoutError, listing
 from .formats import ScalarFormat, get
 
 
@@ -228,7 +228,8 @@ class Layout(Sequence[Entry]):
 
 
 def layout_error(diffs: list[Difference], what: str = "checkpoint layout") -> LayoutError:
-    """One LayoutError whose message lists every difference, one per line."""
-    lines = "\n".join(f"  - {d}" for d in diffs)
+    """One LayoutError whose message lists the differences, one per line (the first
+    ``MAX_LISTED`` of them and a count of the rest); ``differences`` holds them all."""
+    lines = listing([str(d) for d in diffs])
     noun = "difference" if len(diffs) == 1 else "differences"
     return LayoutError(f"{what} does not match ({len(diffs)} {noun}):\n{lines}", diffs)

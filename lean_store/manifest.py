@@ -12,11 +12,20 @@ import json
 import math
 import uuid
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from ._version import __version__
-from .errors import CheckpointError, FormatError, IntegrityError, LayoutError
+from .errors import (
+    CheckpointError,
+    FormatError,
+    IntegrityError,
+    LayoutError,
+    UnsafeFileError,
+    listing,
+)
 from .formats import BinaryFormat, ComplexFormat, get
+from .hardening import json_depth
 from .layout import Entry, Layout
 from .naming import node_name
 from .stores.base import FORMAT_NAME, FORMAT_VERSION, StoredTensor, StoreReader
@@ -24,6 +33,8 @@ from .stores.base import FORMAT_NAME, FORMAT_VERSION, StoredTensor, StoreReader
 KINDS = ("state", "module", "optimizer", "training")
 MAX_ELEMENTS = 1 << 48  # a claimed size beyond this is rejected, never allocated
 MAX_LAYOUT_TEXT = 64 << 20
+MAX_LAYOUT_DEPTH = 8  # a layout is a list of objects holding a shape list: 3 levels
+MAX_ENTRY_TEXT = 16 << 10  # one layout entry: a 1024-character name escaped 12 bytes a char
 
 
 def tensor_attrs(entry: Entry, storage: str) -> dict[str, Any]:
@@ -64,8 +75,15 @@ def root_attrs(layout: Layout, kind: str, extra: dict[str, Any] | None = None) -
     return attrs
 
 
-def parse_root(attrs: dict[str, Any], where: str) -> tuple[int, str, Layout]:
-    """Check the header and return (format version, kind, layout)."""
+def parse_root(
+    attrs: dict[str, Any], where: str, present: Callable[[], int] | None = None
+) -> tuple[int, str, Layout]:
+    """Check the header and return (format version, kind, layout).
+
+    ``tensor_count`` is compared with ``present()`` (the datasets the store actually holds),
+    and the layout text's size (with ``tensor_count``) and nesting depth are checked on the raw
+    text, all before the layout is parsed: a forged layout cannot make the reader build more
+    than the file holds, nor recurse without bound."""
     if attrs.get("lean_store") != FORMAT_NAME:
         raise IntegrityError(f"{where} is not a lean_store checkpoint (no 'lean_store' header)")
     version = attrs.get("format_version")
@@ -81,21 +99,41 @@ def parse_root(attrs: dict[str, Any], where: str) -> tuple[int, str, Layout]:
     kind = attrs.get("kind")
     if kind not in KINDS:
         raise IntegrityError(f"{where}: unknown checkpoint kind {kind!r}")
+    count = attrs.get("tensor_count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise IntegrityError(f"{where}: malformed tensor_count {count!r:.80}")
+    if present is not None:
+        held = present()
+        if count > held:
+            raise IntegrityError(
+                f"{where}: tensor_count {count} but the store holds only {held} datasets; the "
+                "checkpoint is truncated or forged"
+            )
     text = attrs.get("layout")
     if isinstance(text, str):
-        if len(text) > MAX_LAYOUT_TEXT:
-            raise IntegrityError(f"{where}: layout text of {len(text)} bytes is absurd")
+        if len(text) > MAX_LAYOUT_TEXT or len(text) > 2 + count * MAX_ENTRY_TEXT:
+            raise IntegrityError(
+                f"{where}: layout text of {len(text)} bytes is far longer than {count} tensors "
+                "need; the checkpoint is forged or corrupt"
+            )
+        depth = json_depth(text)  # before json.loads could recurse into it
+        if depth > MAX_LAYOUT_DEPTH:
+            raise UnsafeFileError(
+                f"{where}: layout JSON nested {depth} levels deep (a layout nests 3); "
+                "refusing to parse it"
+            )
         try:
             items = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise IntegrityError(f"{where}: layout is not valid JSON ({exc})") from None
     else:
         items = text
+    if isinstance(items, list) and len(items) != count:
+        raise IntegrityError(f"{where}: tensor_count {count} but the layout lists {len(items)}")
     try:
         layout = Layout.from_json(items)
     except (LayoutError, FormatError) as exc:
         raise IntegrityError(f"{where}: malformed layout: {exc}") from None
-    count = attrs.get("tensor_count")
     if count != len(layout):
         raise IntegrityError(f"{where}: tensor_count {count!r} but the layout lists {len(layout)}")
     for entry in layout:
@@ -131,8 +169,9 @@ def check_stored(reader: StoreReader, layout: Layout, where: str) -> dict[str, S
         stored[entry.name] = info
         problems.extend(_check_tensor(reader, entry, info))
     if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        raise IntegrityError(f"{where}: stored data does not match its layout:\n{lines}")
+        raise IntegrityError(
+            f"{where}: stored data does not match its layout:\n{listing(problems)}"
+        )
     return stored
 
 

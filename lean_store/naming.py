@@ -1,19 +1,24 @@
 """How tensor names become HDF5/Zarr node names, reversibly and safely.
 
-Any non-empty name up to 1024 characters can be stored. Characters outside
+Any non-empty name up to 1024 characters whose node name fits in 255 bytes can be stored.
+Characters outside
 ``[A-Za-z0-9._-]`` are percent-escaped (UTF-8 bytes, ``%XX``), as is a leading ``.`` or ``_``,
 so a node name never contains ``/``, never is ``.`` or ``..``, never starts with the reserved
 prefixes of HDF5 (``.``) or Zarr (``__``), and the mapping is one to one. Names that differ only
-in case are rejected because they collide on case-insensitive file systems.
+in case are rejected because they collide on case-insensitive file systems. A node name longer
+than 255 bytes is refused for every backend: a Zarr array is a directory of that name, and file
+systems allow 255 bytes per path component; refusing it for HDF5 too keeps every checkpoint
+convertible between the backends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .errors import LayoutError
+from .errors import LayoutError, listing
 
 MAX_NAME_LENGTH = 1024
+MAX_NODE_BYTES = 255  # one path component on common file systems (ext4, XFS, APFS, NTFS)
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
@@ -52,9 +57,18 @@ def check_names(names: Iterable[str]) -> None:
     problems = []
     for name in names:
         try:
-            node_name(name)
+            node = node_name(name)
         except LayoutError as exc:
             problems.append(str(exc))
+            continue
+        if len(node.encode("ascii")) > MAX_NODE_BYTES:
+            shown = repr(name) if len(name) <= 40 else repr(name[:40])[:-1] + "...'"
+            problems.append(
+                f"tensor name {shown} ({len(name)} characters) becomes a {len(node)}-byte node "
+                f"name after escaping; file systems allow {MAX_NODE_BYTES} bytes per path "
+                "component (a Zarr array is a directory of that name), so it is refused for "
+                "every backend: shorten the name"
+            )
             continue
         folded = name.casefold()
         if folded in seen:
@@ -63,4 +77,4 @@ def check_names(names: Iterable[str]) -> None:
             problems.append(f"{what} tensor names {other!r} and {name!r}")
         seen[folded] = name
     if problems:
-        raise LayoutError("unsafe tensor names:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise LayoutError("unsafe tensor names:\n" + listing(problems))

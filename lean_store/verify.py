@@ -26,11 +26,12 @@ import google_crc32c
 import numpy as np
 
 from .chunking import Region, iter_regions
-from .errors import CheckpointError, IntegrityError
+from .errors import CheckpointError, IntegrityError, listing
 from .layout import Entry
 from .stores.base import Selection
 
 _EMPTY = (1 << 64) - 1  # a Zarr shard index slot with no chunk
+MAX_LISTED_PROBLEMS = 50  # problems str(report) names; ``problems`` holds every one
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class VerifyReport:
         )
         if self.ok:
             return f"{head}: OK"
-        lines = "\n".join(f"  - {p}" for p in self.problems)
+        lines = listing([str(p) for p in self.problems], MAX_LISTED_PROBLEMS)
         return f"{head}: {len(self.problems)} problem(s)\n{lines}"
 
 
@@ -247,18 +248,56 @@ def _hdf5_structure(reader: Any, info: Any) -> list[tuple[tuple[int, ...] | None
     ds = reader._dataset(info.node)
     chunks = info.chunk_shape
     try:
+        skippable = _skippable_filters(ds.id.get_create_plist())
         file_size = ds.file.id.get_filesize()
         for i in range(ds.id.get_num_chunks()):
             chunk = ds.id.get_chunk_info(i)
             coords = tuple(o // c for o, c in zip(chunk.chunk_offset, chunks))
-            if chunk.filter_mask:
-                mask = chunk.filter_mask
-                problems.append((coords, f"filters skipped for this chunk (mask {mask})"))
+            bad = _bad_skips(chunk.filter_mask, skippable)
+            if bad:
+                problems.append((coords, f"filters skipped for this chunk that may not be "
+                                         f"({', '.join(bad)}; mask {chunk.filter_mask})"))
             if chunk.byte_offset is None or chunk.byte_offset + chunk.size > file_size:
                 problems.append((coords, "chunk lies outside the file"))
     except (OSError, RuntimeError, ValueError) as exc:
         problems.append((None, f"unreadable chunk index ({exc})"))
     return problems
+
+
+def _skippable_filters(dcpl: Any) -> list[tuple[str, bool]]:
+    """(name, may be skipped) for each filter of the pipeline, in order.
+
+    HDF5 skips an *optional* filter (``H5Z_FLAG_OPTIONAL``) for a chunk it fails to encode,
+    e.g. LZF or deflate on a chunk they cannot shrink, and records that in the chunk's filter
+    mask; reading then returns the chunk as stored. That is normal, not damage. A mandatory
+    filter is never skipped by HDF5, and a checksum (fletcher32) is never worth skipping, so
+    a skipped one of those means the chunk was written by something else."""
+    from h5py import h5z
+
+    out = []
+    for i in range(dcpl.get_nfilters()):
+        code, flags = dcpl.get_filter(i)[:2]
+        name = _FILTER_NAMES.get(code, f"filter {code}")
+        optional = bool(flags & h5z.FLAG_OPTIONAL) and code != h5z.FILTER_FLETCHER32
+        out.append((name, optional))
+    return out
+
+
+def _bad_skips(mask: int, pipeline: list[tuple[str, bool]]) -> list[str]:
+    """Names of the filters ``mask`` skips although they may not be skipped (bits past the end
+    of the pipeline name filters that do not exist)."""
+    bad = []
+    for bit in range(32):
+        if mask >> bit & 1:
+            if bit >= len(pipeline):
+                bad.append(f"filter #{bit}, which the dataset does not have")
+            elif not pipeline[bit][1]:
+                bad.append(pipeline[bit][0])
+    return bad
+
+
+_FILTER_NAMES = {1: "deflate", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit",
+                 6: "scaleoffset", 32000: "lzf"}
 
 
 def _zarr_structure(reader: Any, info: Any) -> list[tuple[tuple[int, ...] | None, str]]:

@@ -66,12 +66,12 @@ def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading
             raise CheckpointError(f"no file at {p}: the path does not exist")
         if p.is_dir():
             return "zarr"
-        from ..checkpoint import HDF5_SIGNATURE
+        from ..hardening import hdf5_superblock_offset
         from .torchlean_bridge import sniff
 
         with p.open("rb") as f:
             head = f.read(8)
-        if head == HDF5_SIGNATURE:
+        if hdf5_superblock_offset(p) is not None:  # at 0 or after a user block
             return "hdf5"
         found = sniff(p)
         if found is not None and (found != "torchlean-json" or p.suffix.lower() == ".json"):
@@ -184,6 +184,10 @@ class Input:
 
 def open_input(path: str | os.PathLike, fmt: str | None = None) -> Input:
     """Open any supported file for conversion (lean_store inputs are fully validated)."""
+    if not (isinstance(path, str) and "://" in path):
+        from ..hardening import check_checkpoint_path
+
+        check_checkpoint_path(path, what="input")  # a FIFO or device is never opened
     fmt = format_of_path(path, fmt, reading=True)
     if fmt in ("hdf5", "zarr"):
         from ..checkpoint import Checkpoint

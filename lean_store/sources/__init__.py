@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from .base import TargetTensor, TensorSource
-from .numpy_source import MappingSource, is_array_mapping
+from .numpy_source import MappingSource, is_array_mapping, non_array_entry
 
 
 def _is_torch(obj: Any) -> bool:
@@ -30,8 +31,12 @@ def tensor_source(obj: Any) -> TensorSource:
         return TorchSource(obj)
     if is_array_mapping(obj):
         return MappingSource(obj)
-    from ..errors import CheckpointError
+    from ..errors import CheckpointError, UnsupportedValueError
 
+    if isinstance(obj, Mapping) and obj:
+        why = non_array_entry(obj)
+        if why is not None:
+            raise UnsupportedValueError(why)
     raise CheckpointError(
         f"cannot take state from a {type(obj).__name__}: pass a torch.nn.Module, a state dict, "
         "or a mapping of names to numpy arrays, torch tensors or lean_store.Encoded"

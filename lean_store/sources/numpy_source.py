@@ -21,6 +21,21 @@ def is_array_mapping(obj: Any) -> bool:
     )
 
 
+def non_array_entry(obj: Mapping[Any, Any]) -> str | None:
+    """Why a mapping is not a mapping of arrays, naming its first offending entry; None if
+    it is one."""
+    for name, value in obj.items():
+        if not isinstance(value, (np.ndarray, np.generic, Encoded)):
+            noun = type(value).__name__
+            article = "an" if noun[:1].lower() in "aeiou" else "a"
+            return (
+                f"state entry {name!r} is {article} {noun}, not an array or tensor: save "
+                "trainer state such as epochs and steps with lean_store.save_training, or leave "
+                "it out of the state passed to save"
+            )
+    return None
+
+
 def array_bits(array: np.ndarray, fmt: ScalarFormat) -> np.ndarray:
     """Raw little-endian words of a numpy array (a view when the memory allows it)."""
     if array.dtype.byteorder == ">":

@@ -10,7 +10,7 @@ import torch
 
 from ..chunking import Region
 from ..encoded import Encoded
-from ..errors import CheckpointError, FormatError
+from ..errors import CheckpointError, FormatError, UnsupportedValueError
 from ..formats import ScalarFormat, complex_of, get
 from ..layout import Entry, Layout
 from ..stream import CopyEngine
@@ -146,6 +146,67 @@ def state_dict_of(obj: Any) -> Mapping[str, Any]:
     raise CheckpointError(f"cannot take torch state from a {type(obj).__name__}")
 
 
+_QUANTIZED_HINT = (
+    "lean_store stores plain tensors: save the float model (before quantize_dynamic / convert), "
+    "or dequantize (t.dequantize()) and quantize again after loading"
+)
+
+
+def _is_quantized_state(state: Mapping[str, Any]) -> bool:
+    return any(
+        (isinstance(v, torch.Tensor) and v.is_quantized) or n.endswith("_packed_params")
+        for n, v in state.items()
+    )
+
+
+def unsupported_entry(name: str, value: Any, state: Mapping[str, Any]) -> str | None:
+    """Why state entry ``name`` cannot be stored as a tensor, and what to do; None if it can."""
+    if isinstance(value, torch.Tensor):
+        if value.is_quantized:
+            return f"state entry {name!r} is a quantized tensor ({value.dtype}); {_QUANTIZED_HINT}"
+        if value.layout != torch.strided:
+            return (
+                f"state entry {name!r} is a sparse tensor ({value.layout}); lean_store stores "
+                "dense tensors: save value.to_dense(), or its indices and values as separate "
+                "tensors"
+            )
+        if value.device.type == "meta":
+            return (
+                f"state entry {name!r} is a meta tensor: it has a shape but no data. Materialize "
+                "the model first (module.to_empty(device='cpu'), then initialize or load its "
+                "weights)"
+            )
+        return None
+    if isinstance(value, (np.ndarray, Encoded)):
+        return None
+    what = _a(type(value).__name__)
+    if _is_quantized_state(state):
+        return f"state entry {name!r} ({what}) belongs to a quantized module; {_QUANTIZED_HINT}"
+    if name.rsplit(".", 1)[-1] == "_extra_state":
+        return (
+            f"state entry {name!r} is a module's extra state (get_extra_state() returned "
+            f"{what}), not a tensor: make get_extra_state return a tensor, or save that state "
+            "separately (e.g. with lean_store.save_training's trainer state)"
+        )
+    return (
+        f"state entry {name!r} is {what}, not a tensor: save trainer state such as epochs and "
+        "steps with lean_store.save_training, or leave it out of the state passed to save"
+    )
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"
+
+
+def check_entries(state: Mapping[str, Any]) -> None:
+    """:class:`UnsupportedValueError` naming the first entry of ``state`` that is not a
+    storable tensor, before anything is written."""
+    for name, value in state.items():
+        why = unsupported_entry(name, value, state)
+        if why is not None:
+            raise UnsupportedValueError(why)
+
+
 def _entry_format(name: str, value: Any) -> ScalarFormat:
     if isinstance(value, torch.Tensor):
         try:
@@ -154,12 +215,15 @@ def _entry_format(name: str, value: Any) -> ScalarFormat:
             raise FormatError(f"tensor {name!r}: {exc}") from None
     if isinstance(value, (np.ndarray, Encoded)):
         return _format_of(name, value)
-    raise CheckpointError(f"state entry {name!r} is a {type(value).__name__}, not a tensor")
+    raise UnsupportedValueError(
+        f"state entry {name!r} is a {type(value).__name__}, not a tensor"
+    )
 
 
 class TorchSource(TensorSource):
     def __init__(self, obj: Any) -> None:
         state = state_dict_of(obj)
+        check_entries(state)
         self._values = dict(state)
         self.layout = Layout.from_specs(
             [(n, tuple(v.shape), _entry_format(n, v)) for n, v in self._values.items()]
@@ -205,6 +269,7 @@ def _np_int(itemsize: int) -> np.dtype:
 
 def torch_targets(obj: Any) -> dict[str, TargetTensor]:
     state = state_dict_of(obj)
+    check_entries(state)
     layout = Layout.from_specs([(n, tuple(v.shape), _entry_format(n, v)) for n, v in state.items()])
     targets: dict[str, TargetTensor] = {}
     for entry in layout:

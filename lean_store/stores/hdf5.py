@@ -320,7 +320,8 @@ class HDF5Reader(StoreReader):
         table = attrs.get(CHUNK_CRC_ATTR)
         if table is not None:
             chunks = tuple(ds.chunks or ds.shape)
-            self._tables[node] = parse_table(table, table_size(tuple(ds.shape), chunks), repr(node))
+            self._tables[node] = parse_table(table, table_size(tuple(ds.shape), chunks), repr(node),
+                                             shape=tuple(ds.shape), chunks=chunks)
             filters.append("crc32c")
         ftype = ds.id.get_type()
         self._types[node] = ftype
