@@ -46,6 +46,14 @@ def same(a, b) -> bool:
     return _bits(a) == _bits(b)
 
 
+def as_torch(value) -> torch.Tensor:
+    """A numpy array from ls.load_state as a torch tensor (bfloat16 through its bits)."""
+    arr = np.ascontiguousarray(np.asarray(value))
+    if arr.dtype.name == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
 # ------------------------------------------------------------------ single process (no group)
 
 
@@ -489,8 +497,8 @@ def test_fsdp2_checkpoint_loads_in_one_process(worlds, name):
         assert same(v, ref[f"model.{k}"]), k
     # an ordinary sharded lean_store checkpoint: ls.load_state / verify / the recorded shards
     plain = ls.load_state(out / name)
-    assert same(torch.from_numpy(np.asarray(plain["model.0.weight"])), ref["model.0.weight"])
-    assert same(torch.from_numpy(np.asarray(plain["optim.state.2.weight.exp_avg"])),
+    assert same(as_torch(plain["model.0.weight"]), ref["model.0.weight"])
+    assert same(as_torch(plain["optim.state.2.weight.exp_avg"]),
                 ref["optim.2.weight.exp_avg"])
     assert ls.verify(out / name).ok
     with ls.open(out / name) as ck:
@@ -528,7 +536,7 @@ def test_two_d_checkpoint_loads_in_one_process(worlds):
     ref = torch.load(out / "ref2d.pt")
     state = ls.load_state(out / "tp.zarr")
     for k, v in state.items():
-        assert same(torch.from_numpy(np.asarray(v)), ref[f"model.{k}"]), k
+        assert same(as_torch(v), ref[f"model.{k}"]), k
 
 
 def test_hsdp_replicate_shard_saves_and_loads(worlds):
@@ -538,7 +546,7 @@ def test_hsdp_replicate_shard_saves_and_loads(worlds):
     ref = torch.load(out / "ref_hsdp.pt")
     state = ls.load_state(out / "hsdp.zarr")
     for k, v in state.items():
-        assert same(torch.from_numpy(np.asarray(v)), ref[k]), k
+        assert same(as_torch(v), ref[k]), k
     with ls.open(out / "hsdp.zarr") as ck:
         assert len(ck._shards["0.weight"]) == 2  # replicas written once
 

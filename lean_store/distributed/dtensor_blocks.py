@@ -54,7 +54,7 @@ def _check_placements(name: str, placements: Sequence[Any]) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
     for mesh_dim, p in enumerate(placements):
-        if isinstance(p, (Shard, Replicate)):  # _StridedShard is a Shard
+        if isinstance(p, (Shard, Replicate)) or type(p).__name__ == "_StridedShard":
             continue
         what = describe_placement(p)
         if "Partial" in what:
