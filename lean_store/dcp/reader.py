@@ -125,8 +125,7 @@ class StorageReader(storage.StorageReader):
                 entry = ck.layout[key]
                 region = _region(entry, item.storage_index.offset, item.storage_offsets,
                                  item.lengths)
-                words = ck._reader.read(ck._stored[key].node, Selection.of_region(region),
-                                        entry.format)
+                words = _read(ck, key, region)
                 shape = tuple(int(n) for n in item.lengths)
                 source = new_tensor(words, entry.format, shape, "cpu")
                 dest = planner.resolve_tensor(item).detach()
@@ -147,6 +146,19 @@ class StorageReader(storage.StorageReader):
         if self._ck is not None:
             self._ck.close()
             self._ck = None
+
+
+def _read(ck: Checkpoint, key: str, region: tuple[slice, ...]) -> Any:
+    """Raw words of ``region``: from the one shard file that holds it when the checkpoint is a
+    sharded HDF5 directory (DCP reads never cross a stored chunk), else through the store."""
+    entry = ck.layout[key]
+    node = ck._stored[key].node
+    direct = getattr(ck._reader, "read_shard_region", None)
+    if direct is not None:
+        words = direct(node, region, entry.format)
+        if words is not None:
+            return words
+    return ck._reader.read(node, Selection.of_region(region), entry.format)
 
 
 def _stored_boxes(ck: Checkpoint, entry: Entry) -> list[Any]:
