@@ -204,7 +204,7 @@ def test_unpicklable_free_values_are_refused_naming_the_key(tmp_path):
                  storage_writer=lsd.StorageWriter(path), no_dist=True)
     message = str(info.value)
     assert "state entry 'cfg.obj' (Opaque) cannot be stored without pickle" in message
-    assert "StorageWriter(..., allow_pickle=True)" in message
+    assert "set allow_pickle to True on lean_store.dcp.StorageWriter" in message
     assert list(tmp_path.iterdir()) == []  # nothing half-written, no temporary left
 
 
@@ -213,7 +213,7 @@ def test_allow_pickle_keeps_the_value_and_the_reader_must_opt_in(tmp_path):
     value = io.BytesIO(b"abc")  # any value torch.save can pickle
     dcp.save({"w": torch.ones(2), "blob": value},
              storage_writer=lsd.StorageWriter(path, allow_pickle=True), no_dist=True)
-    with pytest.raises(CheckpointException, match=r"'blob' was stored pickled.*allow_pickle=True"):
+    with pytest.raises(CheckpointException, match=r"'blob' was stored pickled.*set allow_pickle to True"):
         dcp.load({"w": torch.zeros(2), "blob": None}, storage_reader=lsd.StorageReader(path),
                  no_dist=True)
     target = {"w": torch.zeros(2), "blob": None}
@@ -225,6 +225,18 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointException, match="missing.zarr"):
         dcp.load({"w": torch.zeros(2)}, storage_reader=lsd.StorageReader(tmp_path / "missing.zarr"),
                  no_dist=True)
+
+
+def test_strided_targets_must_tile_the_tensor():
+    from lean_store.distributed.dtensor_blocks import check_target_cover
+
+    tiled = [[["x", "(p)", [8, 3], [0, 0], [4, 3]]], [["x", "(p)", [8, 3], [4, 0], [4, 3]]]]
+    check_target_cover(tiled)
+    check_target_cover([tiled[0][0:1], tiled[0][0:1], tiled[1]])  # replicas are fine
+    interleaved = [[["x", "(p)", [8, 3], [0, 0], [4, 3]]], [["x", "(p)", [8, 3], [2, 0], [4, 3]]]]
+    with pytest.raises(ls.CheckpointError, match=r"tensor 'x'.*not one contiguous block.*"
+                                                 r"lean_store.dcp"):
+        check_target_cover(interleaved)
 
 
 # --------------------------------------------------------------------- distributed worlds
@@ -366,6 +378,12 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
                              [Shard(0), _StridedShard(0, split_factor=2)], run_check=False,
                              shape=torch.Size([8, 3]), stride=(3, 1))
     rec["interleaved"] = outcome(lambda: ls.save({"x": bad}, out / "bad.zarr"))
+    from torch.distributed.tensor import distribute_tensor
+
+    good = distribute_tensor(torch.arange(24.0).reshape(8, 3), mesh, [Shard(0)])
+    ls.save({"x": good}, out / "x.zarr")
+    rec["interleaved_load"] = outcome(lambda: ls.load({"x": bad}, out / "x.zarr"))
+    rec["interleaved_untouched"] = bool((bad.to_local() == float(rank)).all())
     partial = DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)
     rec["partial"] = outcome(lambda: ls.save({"p": partial}, out / "partial.zarr"))
     return rec
@@ -559,6 +577,9 @@ def test_interleaved_strided_rows_and_partial_are_refused_in_plain_words(worlds)
     assert "strided Shard(0) with split factor 2" in message
     assert "not one contiguous block" in message and "lean_store.dcp" in message
     assert "_S(" not in message and "Partial" not in message
+    load_messages = {rec["interleaved_load"]["message"] for rec in saved}
+    assert len(load_messages) == 1 and "not one contiguous block" in load_messages.pop()
+    assert all(rec["interleaved_untouched"] for rec in saved)
     partial = saved[0]["partial"]["message"]
     assert "Partial(sum)" in partial and "reduce" in partial
     assert not (out / "bad.zarr").exists() and not (out / "partial.zarr").exists()

@@ -5,8 +5,9 @@ storage layer serialised with ``torch.save``. lean_store stores the *value* inst
 (None, bools, numbers, strings, lists, tuples, dicts of these) is written as JSON with the tags
 of :mod:`lean_store.statetree` (``$tuple``, ``$int``, ``$float``, ``$dict``), so tuples, big
 ints and NaN come back exactly. Anything else is refused with a :class:`CheckpointError` naming
-the key, unless the writer was built with ``allow_pickle=True``; then the ``torch.save`` bytes
-are kept (base64) and only a reader built with ``allow_pickle=True`` will unpickle them.
+the key, unless the writer's ``allow_pickle`` option is set; then the ``torch.save`` bytes are
+kept (base64), and only a reader with ``allow_pickle`` set hands them to DCP, which unpickles
+them. lean_store itself never pickles or unpickles anything.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def encode_object(key: str, value: Any, pickled: bytes | None, allow_pickle: boo
     raise CheckpointError(
         f"state entry {key!r} ({type(value).__name__}) cannot be stored without pickle "
         f"({reason}): lean_store.dcp stores tensors and plain data (None, bools, numbers, "
-        "strings, lists, tuples, dicts); pass lean_store.dcp.StorageWriter(..., "
-        "allow_pickle=True) to keep it as torch.save bytes"
+        "strings, lists, tuples, dicts); to keep it as torch.save bytes, set allow_pickle to "
+        "True on lean_store.dcp.StorageWriter"
     )
 
 
@@ -79,8 +80,8 @@ def object_bytes(key: str, record: dict, allow_pickle: bool) -> io.BytesIO:
     if not allow_pickle:
         raise CheckpointError(
             f"state entry {key!r} was stored pickled (torch.save bytes); loading it runs "
-            "arbitrary code, so pass lean_store.dcp.StorageReader(..., allow_pickle=True) if you "
-            "trust this checkpoint"
+            "arbitrary code; set allow_pickle to True on lean_store.dcp.StorageReader only if "
+            "you trust this checkpoint"
         )
     try:
         return io.BytesIO(base64.b64decode(record["pickle"], validate=True))

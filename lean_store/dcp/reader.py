@@ -31,7 +31,7 @@ from torch.futures import Future
 from ..checkpoint import Checkpoint, detect_backend
 from ..errors import CheckpointError
 from ..layout import Entry
-from ..sources.torch_source import dtype_of_format, new_tensor
+from ..sources.torch_source import bit_view, dtype_of_format, new_tensor
 from ..stores.base import Selection
 from .objects import ROOT_ATTR, object_bytes, parse_objects
 from .writer import _path
@@ -125,16 +125,17 @@ class StorageReader(storage.StorageReader):
                 entry = ck.layout[key]
                 region = _region(entry, item.storage_index.offset, item.storage_offsets,
                                  item.lengths)
-                words = _read(ck, key, region)
                 shape = tuple(int(n) for n in item.lengths)
-                source = new_tensor(words, entry.format, shape, "cpu")
                 dest = planner.resolve_tensor(item).detach()
                 if tuple(dest.shape) != shape:
                     raise CheckpointError(
                         f"tensor {key!r}: destination of shape {tuple(dest.shape)} for a read of "
                         f"{shape}"
                     )
-                dest.copy_(source)
+                out = _words_of(dest, entry.format)
+                words = _read(ck, key, region, out)
+                if out is None:
+                    dest.copy_(new_tensor(words, entry.format, shape, "cpu"))
                 planner.commit_tensor(item, dest)
         finally:
             self.close()
@@ -148,17 +149,28 @@ class StorageReader(storage.StorageReader):
             self._ck = None
 
 
-def _read(ck: Checkpoint, key: str, region: tuple[slice, ...]) -> Any:
+def _words_of(dest: torch.Tensor, fmt: Any) -> Any:
+    """A numpy view of ``dest``'s bits to read straight into, when ``dest`` is a contiguous
+    CPU tensor of the stored format (None: read, then copy with torch's casting rules)."""
+    if (dest.device.type != "cpu" or not dest.is_contiguous() or dest.is_complex()
+            or dest.dtype == torch.bool or fmt.words_per_value != 1
+            or dtype_of_format(fmt) != dest.dtype):
+        return None
+    flat = dest.reshape(-1) if dest.dim() == 0 else dest
+    return bit_view(flat).numpy().view(fmt.storage_dtype)
+
+
+def _read(ck: Checkpoint, key: str, region: tuple[slice, ...], out: Any = None) -> Any:
     """Raw words of ``region``: from the one shard file that holds it when the checkpoint is a
     sharded HDF5 directory (DCP reads never cross a stored chunk), else through the store."""
     entry = ck.layout[key]
     node = ck._stored[key].node
     direct = getattr(ck._reader, "read_shard_region", None)
     if direct is not None:
-        words = direct(node, region, entry.format)
+        words = direct(node, region, entry.format, out)
         if words is not None:
             return words
-    return ck._reader.read(node, Selection.of_region(region), entry.format)
+    return ck._reader.read(node, Selection.of_region(region), entry.format, out)
 
 
 def _stored_boxes(ck: Checkpoint, entry: Entry) -> list[Any]:

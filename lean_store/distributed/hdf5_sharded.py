@@ -136,8 +136,8 @@ class ShardedHDF5Reader(HDF5Reader):
             storage="hdf5", itemsize=ftype.get_size(), nbytes_on_disk=on_disk, filters=filters,
         )
 
-    def read_shard_region(self, node: str, region: tuple[slice, ...], fmt: Any
-                          ) -> np.ndarray | None:
+    def read_shard_region(self, node: str, region: tuple[slice, ...], fmt: Any,
+                          out: np.ndarray | None = None) -> np.ndarray | None:
         """Raw words of ``region`` (global coordinates) read straight from the one shard file
         holding all of it, with that file's chunk checks; None when ``node`` is not virtual or
         no single shard holds the region (read through the master then)."""
@@ -149,7 +149,7 @@ class ShardedHDF5Reader(HDF5Reader):
         for box, fname, dset in self._mappings(node, dcpl, tuple(ds.shape)):
             if box.intersect(want) == want:
                 return self._source(fname).read(
-                    dset.lstrip("/"), Selection.of_region(box.local(region)), fmt)
+                    dset.lstrip("/"), Selection.of_region(box.local(region)), fmt, out)
         return None
 
     def _mappings(self, node: str, dcpl: Any, shape: tuple[int, ...]
