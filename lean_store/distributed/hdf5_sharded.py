@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
 from h5py import h5d, h5p, h5s
 
 from ..chunking import plan_chunks
@@ -25,7 +26,7 @@ from ..layout import Entry
 from ..manifest import tensor_attrs
 from ..naming import node_name
 from ..replacement import PinnedRoot, check_unchanged
-from ..stores.base import StoredTensor
+from ..stores.base import Selection, StoredTensor
 from ..stores.hdf5 import HDF5Reader, HDF5Writer, from_hdf5_attr, to_hdf5_attr
 from ..stores.hdf5_types import hdf5_type, storage_kind
 from .plan import TensorPlan
@@ -155,6 +156,22 @@ class ShardedHDF5Reader(HDF5Reader):
             node=node, attrs=attrs, stored_shape=tuple(ds.shape), chunk_shape=tuple(ds.shape),
             storage="hdf5", itemsize=ftype.get_size(), nbytes_on_disk=on_disk, filters=filters,
         )
+
+    def read_shard_region(self, node: str, region: tuple[slice, ...], fmt: Any,
+                          out: np.ndarray | None = None) -> np.ndarray | None:
+        """Raw words of ``region`` (global coordinates) read straight from the one shard file
+        holding all of it, with that file's chunk checks; None when ``node`` is not virtual or
+        no single shard holds the region (read through the master then)."""
+        ds = self._dataset(node)
+        dcpl = ds.id.get_create_plist()
+        if dcpl.get_layout() != h5d.VIRTUAL:
+            return None
+        want = Box(tuple(s.start for s in region), tuple(s.stop - s.start for s in region))
+        for box, fname, dset in self._mappings(node, dcpl, tuple(ds.shape)):
+            if box.intersect(want) == want:
+                return self._source(fname).read(
+                    dset.lstrip("/"), Selection.of_region(box.local(region)), fmt, out)
+        return None
 
     def _mappings(self, node: str, dcpl: Any, shape: tuple[int, ...]
                   ) -> list[tuple[Box, str, str]]:

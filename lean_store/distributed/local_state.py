@@ -55,6 +55,7 @@ class Piece:
     box: Box  # in stored coordinates (a scalar is stored as shape (1,))
     local: Any  # the local tensor or array holding ``box``
     sharded: bool  # False: an ordinary (replicated) value
+    strided: str = ""  # a DTensor with a strided placement: its placements in plain words
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -131,19 +132,11 @@ def _format(name: str, value: Any) -> ScalarFormat:
 
 def _dtensor_piece(name: str, value: Any) -> Piece:
     import torch
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    for placement in value.placements:
-        if type(placement) not in (Shard, Replicate):
-            raise CheckpointError(
-                f"{name!r}: DTensor placement {placement} is not supported; only Shard(dim) "
-                "and Replicate() describe a block of the tensor (reduce Partial first)"
-            )
+    from .dtensor_blocks import describe_placements, is_strided, local_block
+
     shape = tuple(int(d) for d in value.shape)
-    local_shape, offsets = compute_local_shape_and_global_offset(
-        value.shape, value.device_mesh, value.placements
-    )
+    local_shape, offsets = local_block(name, value)
     with torch.no_grad():
         local = value.to_local()
     if tuple(local.shape) != tuple(local_shape):
@@ -152,7 +145,15 @@ def _dtensor_piece(name: str, value: Any) -> Piece:
         )
     fmt = _format(name, local)
     box = Box.of(offsets, local_shape) if shape else Box((0,), (1,))
-    return Piece(name, shape, fmt, box, local, True)
+    strided = describe_placements(value.placements) if is_strided(value.placements) else ""
+    return Piece(name, shape, fmt, box, local, True, strided)
 
 
-__all__ = ["LocalShard", "Piece", "holds_shards", "layout_of", "local_pieces", "state_items"]
+def strided_boxes(pieces: Sequence[Piece]) -> list[list[Any]]:
+    """This rank's strided pieces as JSON, for :func:`dtensor_blocks.check_target_cover`."""
+    return [[p.name, p.strided, list(p.stored_shape), list(p.box.offsets), list(p.box.lengths)]
+            for p in pieces if p.strided]
+
+
+__all__ = ["LocalShard", "Piece", "holds_shards", "layout_of", "local_pieces", "state_items",
+           "strided_boxes"]

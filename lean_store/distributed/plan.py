@@ -9,8 +9,9 @@ from typing import Any
 
 from ..errors import CheckpointError, LayoutError
 from ..layout import Entry, Layout
+from .dtensor_blocks import strided_refusal
 from .local_state import Piece, layout_of
-from .shard_spec import Box, assign_owners
+from .shard_spec import Box, assign_owners, coverage_problems
 
 SHARD_RECORD_KEYS = ("offsets", "lengths", "rank", "crc32c", "unit")
 
@@ -35,6 +36,7 @@ def describe(pieces: list[Piece]) -> dict[str, Any]:
     return {
         "layout": layout_of(pieces).to_json(),
         "boxes": [[list(p.box.offsets), list(p.box.lengths)] for p in pieces],
+        "strided": {str(i): p.strided for i, p in enumerate(pieces) if p.strided},
     }
 
 
@@ -51,7 +53,15 @@ def make_plan(descriptions: list[dict[str, Any]]) -> tuple[Layout, list[TensorPl
     plans = []
     for i, entry in enumerate(layout):
         held = [[Box.of(*d["boxes"][i])] for d in descriptions]
-        shards = assign_owners(entry.shape or (1,), held, f"tensor {entry.name!r}")
+        what = f"tensor {entry.name!r}"
+        strided = [d.get("strided", {}).get(str(i)) for d in descriptions]
+        placements = next((s for s in strided if s), None)
+        if placements is not None:
+            distinct = sorted({b for boxes in held for b in boxes if not b.empty})
+            problems = coverage_problems(entry.shape or (1,), distinct, what)
+            if problems:
+                raise strided_refusal(entry.name, placements, problems)
+        shards = assign_owners(entry.shape or (1,), held, what)
         plans.append(TensorPlan(entry, tuple(shards)))
     return layout, plans
 

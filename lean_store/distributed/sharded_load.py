@@ -21,7 +21,8 @@ from ..chunking import DEFAULT_CHUNK_BYTES, iter_regions, plan_chunks
 from ..errors import CheckpointError
 from ..stores.base import Selection
 from .collective import Collective
-from .local_state import Piece, layout_of, local_pieces
+from .dtensor_blocks import check_target_cover
+from .local_state import Piece, layout_of, local_pieces, strided_boxes
 from .shard_spec import Box, reads_for
 from .sharded_save import _agree
 
@@ -88,7 +89,7 @@ def load(
             )
         except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
             error = exc
-        _agree(comm, error)
+        check_target_cover(_agree(comm, error, strided_boxes(pieces)))
         assert ck is not None
         if verify:
             verify_shards(ck, names, comm)

@@ -26,7 +26,8 @@ from ..chunking import DEFAULT_CHUNK_BYTES
 from ..errors import CheckpointError
 from ..layout import Layout
 from .collective import Collective
-from .local_state import LocalShard, Piece, is_dtensor, layout_of, local_pieces
+from .dtensor_blocks import check_target_cover
+from .local_state import LocalShard, Piece, is_dtensor, layout_of, local_pieces, strided_boxes
 from .shard_spec import Box
 from .sharded_load import _install, _stored_boxes, verify_shards
 from .sharded_save import _agree
@@ -121,6 +122,7 @@ class _ShardedReads:
         self.ck = ck
         self.block_bytes = block_bytes
         self.params: dict[str, Any] = {}
+        self.strided: list[list[Any]] = []  # this rank's strided targets, checked across ranks
         self.optimizer = optimizer
         if optimizer is not None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -134,6 +136,7 @@ class _ShardedReads:
         from ..sources.torch_source import state_dict_of
 
         pieces = local_pieces({f"model/{n}": v for n, v in state_dict_of(model).items()})
+        self.strided.extend(strided_boxes(pieces))
         stored = [e for e in ck.layout if e.name.startswith("model/")]
         actual = Layout.from_specs([(e.name, e.shape, e.format) for e in stored])
         actual.check(layout_of(pieces))
@@ -159,14 +162,16 @@ class _ShardedReads:
             return _Reader(self.ck).tensor(name, device)  # e.g. a replicated step count
         import torch
         from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        local_shape, offsets = compute_local_shape_and_global_offset(
-            like.shape, like.device_mesh, like.placements)
+        from .dtensor_blocks import describe_placements, is_strided, local_block
+
+        local_shape, offsets = local_block(name, like)
         local = torch.empty(tuple(local_shape), dtype=dtype_of_format(entry.format),
                             device=like.to_local().device)
         box = Box.of(offsets, local_shape) if entry.shape else Box((0,), (1,))
-        piece = Piece(name, entry.shape, entry.format, box, local, True)
+        strided = describe_placements(like.placements) if is_strided(like.placements) else ""
+        piece = Piece(name, entry.shape, entry.format, box, local, True, strided)
+        self.strided.extend(strided_boxes([piece]))
         _install(self.ck, piece, _stored_boxes(self.ck, name), self.block_bytes)
         return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                                   shape=like.shape, stride=like.stride())
@@ -186,6 +191,7 @@ def load_training(
     comm = Collective(process_group)
     ck = None
     prepared = None
+    hooks = None
     error: BaseException | None = None
     try:
         try:
@@ -199,7 +205,7 @@ def load_training(
                 read_state=hooks.read_state)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
             error = exc
-        _agree(comm, error)
+        check_target_cover(_agree(comm, error, hooks.strided if hooks is not None else []))
         assert ck is not None and prepared is not None
         if verify:  # every stored shard's digest, each checked by one rank
             verify_shards(ck, ck.layout.names(), comm)

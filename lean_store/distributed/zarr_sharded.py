@@ -30,13 +30,16 @@ from .shard_spec import ChunkPlan, aligned_chunks
 CONFIG = {"write_empty_chunks": True}
 
 
-def chunk_plan(plan: TensorPlan, chunk_bytes: int) -> ChunkPlan:
+def chunk_plan(plan: TensorPlan, chunk_bytes: int, *, always_aligned: bool = False) -> ChunkPlan:
+    """The chunk shape of one tensor. ``always_aligned``: never give up alignment, however small
+    the chunks (for writers that cannot take turns, such as the DCP backend)."""
     fmt = plan.entry.format
     itemsize = (native_dtype(fmt) or fmt.storage_dtype).itemsize
     if fmt.words_per_value == 2 and native_dtype(fmt) is None:
         itemsize *= 2
     boxes = [box for box, _ in plan.shards]
-    return aligned_chunks(plan.stored_shape, boxes, itemsize, chunk_bytes)
+    return aligned_chunks(plan.stored_shape, boxes, itemsize, chunk_bytes,
+                          min_chunk_bytes=0 if always_aligned else 1024)
 
 
 def _options(root: str) -> dict[str, Any]:
