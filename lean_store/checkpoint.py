@@ -588,6 +588,7 @@ def load(
     verify: bool = True,
     progress: Any = None,
     process_group: Any = None,
+    strict_order: bool = False,
 ) -> LoadResult:
     """Load a checkpoint in place into a torch module, a state dict, or a dict of arrays.
 
@@ -595,6 +596,9 @@ def load(
     payload lengths) and, with ``verify=True``, every checksum is checked too. Only then is
     anything copied in; on any error the target is unchanged. There is never a silent cast:
     pass ``cast={"name": "float32"}`` to convert a tensor explicitly.
+    Tensors are matched by name, so a file whose tensors are in another order (a converted
+    safetensors file is sorted by name) loads; ``strict_order=True`` also requires the file's
+    tensors to be in the target's order.
     With ``process_group`` (or DTensors / ``LocalShard`` values in the target) every rank
     reads only the regions of its own shards, from a checkpoint saved by any number of ranks.
     """
@@ -615,7 +619,7 @@ def load(
     with Checkpoint(path) as ck:
         expected = expected_with_casts(ck.layout, target_layout, casts)
         ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
-                        order_matters=strict)
+                        order_matters=strict_order)
         result = LoadResult(
             missing=[n for n in expected.names() if n not in ck.layout],
             unexpected=[n for n in ck.layout.names() if n not in expected],
@@ -652,13 +656,19 @@ def _install(ck: Checkpoint, entry: Entry, target: TargetTensor, bar: Any) -> No
 
 
 def load_state(
-    path: Any, *, like: Any = None, cast: Mapping[str, Any] | None = None, strict: bool = True
+    path: Any,
+    *,
+    like: Any = None,
+    cast: Mapping[str, Any] | None = None,
+    strict: bool = True,
+    strict_order: bool = False,
 ) -> dict[str, Any]:
     """Read a checkpoint into a NEW dict; nothing is mutated.
 
     Without ``like``: numpy arrays (ml_dtypes dtypes where they exist) and ``Encoded`` values.
     With ``like`` (a module, state dict or Layout): validated against it, and returned as torch
-    tensors of the same dtypes on the same devices when ``like`` holds torch tensors.
+    tensors of the same dtypes on the same devices when ``like`` holds torch tensors, matched
+    by name (``strict_order=True`` also requires ``like``'s order).
     """
     casts = _casts(cast)
     with Checkpoint(path) as ck:
@@ -668,7 +678,7 @@ def load_state(
             devices = _devices_of(like)
             expected = expected_with_casts(ck.layout, like_layout, casts)
             ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
-                            order_matters=strict)
+                            order_matters=strict_order)
             wanted = {e.name: like_layout[e.name].format for e in expected if e.name in ck.layout}
         else:
             if any(n not in ck.layout for n in casts):
