@@ -67,13 +67,28 @@ def detect_backend(path: str | os.PathLike) -> str:
     raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
 
 
+def is_url(path: Any) -> bool:
+    """An fsspec URL (``s3://bucket/run/step.zarr``, ``file:///...``): Zarr checkpoints only."""
+    return isinstance(path, str) and "://" in path
+
+
 def open_writer(
     path: str | os.PathLike, backend: str, *, chunk_bytes: int | None, compression: Any,
-    checksum: str | None = None,
+    checksum: str | None = None, storage_options: dict[str, Any] | None = None,
 ) -> StoreWriter:
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
     if chunk_bytes < MIN_CHUNK_BYTES:
         raise CheckpointError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}, got {chunk_bytes}")
+    if is_url(path):
+        if backend != "zarr" or checksum not in (None, "crc32c"):
+            raise CheckpointError(f"cannot save to {path}: URLs hold Zarr checkpoints only "
+                                  "(use a .zarr suffix or backend='zarr')")
+        from .stores.zarr_url import ZarrURLWriter
+
+        return ZarrURLWriter(str(path), chunk_bytes=chunk_bytes, compression=compression,
+                             storage_options=storage_options)
+    if storage_options is not None:
+        raise CheckpointError("storage_options apply to URLs (s3://..., file://...) only")
     parent = Path(path).parent
     if not parent.is_dir():
         raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
@@ -89,7 +104,10 @@ def open_writer(
     return ZarrWriter(path, chunk_bytes=chunk_bytes, compression=compression)
 
 
-def open_reader(path: Any, backend: str | None = None) -> StoreReader:
+def open_reader(path: Any, backend: str | None = None,
+                storage_options: dict[str, Any] | None = None) -> StoreReader:
+    if storage_options is not None and not is_url(path):
+        raise CheckpointError("storage_options apply to URLs (s3://..., file://...) only")
     if backend is None:
         backend = detect_backend(path)
     if backend == "hdf5":
@@ -100,10 +118,10 @@ def open_reader(path: Any, backend: str | None = None) -> StoreReader:
         return HDF5Reader(path) if directory is None else ShardedHDF5Reader(directory)
     from .stores.zarr_store import ZarrReader
 
-    if isinstance(path, str) and "://" in path:
-        from zarr.storage import FsspecStore
+    if is_url(path):
+        from .stores.zarr_url import open_url_store
 
-        return ZarrReader(FsspecStore.from_url(path, read_only=True))
+        return ZarrReader(open_url_store(path, storage_options, read_only=True))
     return ZarrReader(path)
 
 
@@ -134,6 +152,7 @@ def write_source(
     extra_root: dict[str, Any] | None = None,
     buffer_bytes: int | None = None,
     checksum: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Layout:
     """Stream every tensor of ``source`` into a new checkpoint, committed atomically.
 
@@ -147,7 +166,7 @@ def write_source(
     check_names(layout.names())
     backend = backend_for(path, backend)
     writer = open_writer(path, backend, chunk_bytes=chunk_bytes, compression=compression,
-                         checksum=checksum)
+                         checksum=checksum, storage_options=storage_options)
     storage = "hdf5" if backend == "hdf5" else "zarr"
 
     def units() -> Iterator[tuple[Any, Any, Any]]:
@@ -205,6 +224,7 @@ def save(
     snapshot: str = "auto",
     process_group: Any = None,
     checksum: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """Save a torch module, a state dict, or a mapping of arrays/``Encoded`` to HDF5 or Zarr.
 
@@ -220,8 +240,16 @@ def save(
     ``checksum`` (HDF5 only): ``"crc32c"`` (default: a CRC-32C per chunk in the attribute
     ``chunk_crc32c``) or ``"fletcher32+crc32c"`` (adds HDF5's fletcher32 filter, which h5py
     and h5dump verify natively, at a cost in throughput).
+    ``path`` may be an fsspec URL (``s3://bucket/run/step.zarr``): a Zarr checkpoint written
+    under a new prefix and committed by its root ``zarr.json``, written last; endpoint and
+    credentials come from ``storage_options`` or the standard environment (``AWS_ENDPOINT_URL``,
+    ``AWS_ACCESS_KEY_ID``, ...).
     """
     from .distributed import wants_sharded
+
+    if storage_options is not None and (not blocking or wants_sharded(obj, process_group)):
+        raise CheckpointError("storage_options is supported by blocking single-process saves; "
+                              "for sharded or async saves set the AWS environment variables")
 
     if wants_sharded(obj, process_group):
         from .distributed.sharded_save import save as sharded_save
@@ -242,6 +270,7 @@ def save(
     return write_source(
         source, path, kind=kind, backend=backend, chunk_bytes=chunk_bytes,
         compression=compression, progress=progress, buffer_bytes=buffer_bytes, checksum=checksum,
+        storage_options=storage_options,
     )
 
 
@@ -333,9 +362,10 @@ def as_values(words: np.ndarray, fmt: ScalarFormat) -> np.ndarray | Encoded:
 class Checkpoint(Mapping[str, TensorHandle]):
     """A read-only, validated view of a checkpoint. Use as a context manager."""
 
-    def __init__(self, path: Any, *, backend: str | None = None) -> None:
+    def __init__(self, path: Any, *, backend: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         self.path = path
-        self._reader = open_reader(path, backend)
+        self._reader = open_reader(path, backend, storage_options)
         try:
             self.backend = self._reader.backend
             self.root_attrs = self._reader.root_attrs
@@ -523,9 +553,12 @@ def _is_row_block(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
     )
 
 
-def open(path: Any, *, backend: str | None = None) -> Checkpoint:  # noqa: A001 - public API name
-    """Open a checkpoint read-only: ``ck.layout``, ``ck[name][10:20]``, ``np.asarray(ck[name])``."""
-    return Checkpoint(path, backend=backend)
+def open(  # noqa: A001 - public API name
+    path: Any, *, backend: str | None = None, storage_options: dict[str, Any] | None = None
+) -> Checkpoint:
+    """Open a checkpoint read-only: ``ck.layout``, ``ck[name][10:20]``, ``np.asarray(ck[name])``.
+    ``storage_options``: fsspec options for a URL (endpoint, credentials)."""
+    return Checkpoint(path, backend=backend, storage_options=storage_options)
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -589,6 +622,7 @@ def load(
     progress: Any = None,
     process_group: Any = None,
     strict_order: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> LoadResult:
     """Load a checkpoint in place into a torch module, a state dict, or a dict of arrays.
 
@@ -605,8 +639,8 @@ def load(
     from .distributed import wants_sharded
 
     if wants_sharded(target, process_group):
-        if cast:
-            raise CheckpointError("cast is not supported by sharded loads")
+        if cast or storage_options is not None:
+            raise CheckpointError("cast and storage_options are not supported by sharded loads")
         from .distributed.sharded_load import load as sharded_load
 
         return sharded_load(target, path, process_group=process_group, strict=strict,
@@ -616,7 +650,7 @@ def load(
     target_layout = Layout.from_specs(
         [(n, t.entry.shape, t.entry.format) for n, t in targets.items()]
     )
-    with Checkpoint(path) as ck:
+    with Checkpoint(path, storage_options=storage_options) as ck:
         expected = expected_with_casts(ck.layout, target_layout, casts)
         ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
                         order_matters=strict_order)
@@ -662,6 +696,7 @@ def load_state(
     cast: Mapping[str, Any] | None = None,
     strict: bool = True,
     strict_order: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Read a checkpoint into a NEW dict; nothing is mutated.
 
@@ -671,7 +706,7 @@ def load_state(
     by name (``strict_order=True`` also requires ``like``'s order).
     """
     casts = _casts(cast)
-    with Checkpoint(path) as ck:
+    with Checkpoint(path, storage_options=storage_options) as ck:
         devices: dict[str, Any] = {}
         if like is not None:
             like_layout = Layout.of(like)

@@ -25,7 +25,7 @@ from ..stores.zarr_store import (
     native_dtype,
     stored_shape,
 )
-from .location import STORAGE_OPTIONS, is_url
+from .location import is_url, storage_options_for
 from .plan import TensorPlan
 from .shard_spec import ChunkPlan, aligned_chunks
 
@@ -42,7 +42,7 @@ def chunk_plan(plan: TensorPlan, chunk_bytes: int) -> ChunkPlan:
 
 
 def _options(root: str) -> dict[str, Any]:
-    return {"storage_options": STORAGE_OPTIONS} if is_url(root) else {}
+    return {"storage_options": storage_options_for(root)} if is_url(root) else {}
 
 
 def create_arrays(

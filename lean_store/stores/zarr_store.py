@@ -75,7 +75,7 @@ def mark_complete(group: zarr.Group) -> None:
     and ``complete`` set, in one write. Every array's metadata must be final before this."""
     with warnings.catch_warnings():  # "consolidated metadata is not part of the v3 spec"
         warnings.simplefilter("ignore", ZarrUserWarning)
-        consolidated = zarr.consolidate_metadata(group.store, path=group.path)
+        consolidated = zarr.consolidate_metadata(group.store, path=group.path, zarr_format=3)
     consolidated.attrs["complete"] = True
 
 
@@ -162,6 +162,7 @@ class ZarrWriter(StoreWriter):
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
         self._compressors = _compressors(compression)
         self._group = zarr.open_group(store=str(self.tmp_path), mode="w-", zarr_format=3)
+        self._direct_root: Path | None = self.tmp_path  # None: write through zarr only
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         from ..naming import node_name
@@ -186,8 +187,9 @@ class ZarrWriter(StoreWriter):
             config={"write_empty_chunks": True},
         )
         direct = None
-        if self.compression in (None, False) and direct_ok(array):
-            direct = DirectWriter(self.tmp_path / node_name(entry.name), array, chunks, shards,
+        if self._direct_root is not None and self.compression in (None, False) and direct_ok(
+                array):
+            direct = DirectWriter(self._direct_root / node_name(entry.name), array, chunks, shards,
                                   dtype.itemsize)
         return ZarrTensorWriter(array, entry, chunks, shards or chunks, direct)
 
