@@ -13,8 +13,9 @@ pickle-free state-tree codec the training checkpoints use (:mod:`lean_store.stat
 other object is refused with a :class:`CheckpointError` naming its key, before a file exists.
 
 Lightning names checkpoints ``epoch=1-step=10.ckpt``; the store is chosen by ``backend`` (default
-``"hdf5"``: one file; ``"zarr"``: a directory), never by the suffix. Reading detects the store
-from the content. Only this module imports ``lightning`` (``lightning.pytorch``, 2.x).
+``"hdf5"``: one file; ``"zarr"``: a directory, or an ``s3://`` prefix with ``dirpath`` a URL),
+never by the suffix. Reading detects the store from the content. Only this module imports
+``lightning`` (``lightning.pytorch``, 2.x).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
 
-from .checkpoint import Checkpoint, write_source
+from .checkpoint import Checkpoint, is_url, write_source
 from .errors import CheckpointError, IntegrityError
 from .statetree import decode, encode, tensor_names
 
@@ -66,7 +67,8 @@ class CheckpointIO(_LightningCheckpointIO):
         tensors: dict[str, Any] = {}
         meta = encode_checkpoint(checkpoint, tensors)
         text = json.dumps(meta, separators=(",", ":"), allow_nan=False)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as Lightning's own CheckpointIO
+        if not is_url(path):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)  # as Lightning's own plugin
         write_source(
             tensor_source(tensors), path, kind="state", backend=self.backend,
             chunk_bytes=self.chunk_bytes, compression=self.compression,
@@ -85,7 +87,15 @@ class CheckpointIO(_LightningCheckpointIO):
             return decode_checkpoint(ck, meta, device)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        """Delete a checkpoint (a file or a Zarr directory); a missing path is not an error."""
+        """Delete a checkpoint (a file, a Zarr directory or a URL prefix); a missing path is
+        not an error."""
+        if is_url(path):
+            import fsspec
+
+            fs, root = fsspec.core.url_to_fs(str(path))
+            if fs.exists(root):
+                fs.rm(root, recursive=True)
+            return
         p = Path(path)
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)

@@ -269,6 +269,25 @@ def test_two_ranks_save_shards_into_one_bucket(env, s3, tmp_path) -> None:
     assert ls.verify(url).ok
 
 
+def test_lightning_checkpoints_on_s3(env) -> None:
+    import torch
+
+    from lean_store.lightning import CheckpointIO
+
+    io = CheckpointIO(backend="zarr")
+    url = "s3://bkt/lightning/epoch=0-step=4.ckpt"
+    checkpoint = {"epoch": 0, "state_dict": {"w": torch.arange(4.0)}}
+    io.save_checkpoint(checkpoint, url)
+    got = io.load_checkpoint(url)
+    assert got["epoch"] == 0 and torch.equal(got["state_dict"]["w"], torch.arange(4.0))
+    io.remove_checkpoint(url)
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    assert not fs.exists("bkt/lightning/epoch=0-step=4.ckpt")
+
+
 # ------------------------------------------------------------------------ child processes
 
 
