@@ -75,13 +75,28 @@ def detect_backend(path: str | os.PathLike) -> str:
     )
 
 
+def is_url(path: Any) -> bool:
+    """An fsspec URL (``s3://bucket/run/step.zarr``, ``file:///...``): Zarr checkpoints only."""
+    return isinstance(path, str) and "://" in path
+
+
 def open_writer(
     path: str | os.PathLike, backend: str, *, chunk_bytes: int | None, compression: Any,
-    checksum: str | None = None,
+    checksum: str | None = None, storage_options: dict[str, Any] | None = None,
 ) -> StoreWriter:
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
     if chunk_bytes < MIN_CHUNK_BYTES:
         raise CheckpointError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}, got {chunk_bytes}")
+    if is_url(path):
+        if backend != "zarr" or checksum not in (None, "crc32c"):
+            raise CheckpointError(f"cannot save to {path}: URLs hold Zarr checkpoints only "
+                                  "(use a .zarr suffix or backend='zarr')")
+        from .stores.zarr_url import ZarrURLWriter
+
+        return ZarrURLWriter(str(path), chunk_bytes=chunk_bytes, compression=compression,
+                             storage_options=storage_options)
+    if storage_options is not None:
+        raise CheckpointError("storage_options apply to URLs (s3://..., file://...) only")
     parent = Path(path).parent
     if not parent.is_dir():
         raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
@@ -97,7 +112,10 @@ def open_writer(
     return ZarrWriter(path, chunk_bytes=chunk_bytes, compression=compression)
 
 
-def open_reader(path: Any, backend: str | None = None) -> StoreReader:
+def open_reader(path: Any, backend: str | None = None,
+                storage_options: dict[str, Any] | None = None) -> StoreReader:
+    if storage_options is not None and not is_url(path):
+        raise CheckpointError("storage_options apply to URLs (s3://..., file://...) only")
     if backend is None:
         backend = detect_backend(path)
     elif isinstance(path, (str, os.PathLike)) and "://" not in str(path):
@@ -112,10 +130,10 @@ def open_reader(path: Any, backend: str | None = None) -> StoreReader:
         return HDF5Reader(path) if directory is None else ShardedHDF5Reader(directory)
     from .stores.zarr_store import ZarrReader
 
-    if isinstance(path, str) and "://" in path:
-        from zarr.storage import FsspecStore
+    if is_url(path):
+        from .stores.zarr_url import open_url_store
 
-        return ZarrReader(FsspecStore.from_url(path, read_only=True), where=path)
+        return ZarrReader(open_url_store(path, storage_options, read_only=True), where=path)
     return ZarrReader(path)
 
 
@@ -146,6 +164,7 @@ def write_source(
     extra_root: dict[str, Any] | None = None,
     buffer_bytes: int | None = None,
     checksum: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Layout:
     """Stream every tensor of ``source`` into a new checkpoint, committed atomically.
 
@@ -159,7 +178,7 @@ def write_source(
     check_names(layout.names())
     backend = backend_for(path, backend)
     writer = open_writer(path, backend, chunk_bytes=chunk_bytes, compression=compression,
-                         checksum=checksum)
+                         checksum=checksum, storage_options=storage_options)
     storage = "hdf5" if backend == "hdf5" else "zarr"
 
     def units() -> Iterator[tuple[Any, Any, Any]]:
@@ -222,6 +241,7 @@ def save(
     snapshot: str = "auto",
     process_group: Any = None,
     checksum: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """Save a torch module, a state dict, or a mapping of arrays/``Encoded`` to HDF5 or Zarr.
 
@@ -237,8 +257,16 @@ def save(
     ``checksum`` (HDF5 only): ``"crc32c"`` (default: a CRC-32C per chunk in the attribute
     ``chunk_crc32c``) or ``"fletcher32+crc32c"`` (adds HDF5's fletcher32 filter, which h5py
     and h5dump verify natively, at a cost in throughput).
+    ``path`` may be an fsspec URL (``s3://bucket/run/step.zarr``): a Zarr checkpoint written
+    under a new prefix and committed by its root ``zarr.json``, written last; endpoint and
+    credentials come from ``storage_options`` or the standard environment (``AWS_ENDPOINT_URL``,
+    ``AWS_ACCESS_KEY_ID``, ...).
     """
     from .distributed import wants_sharded
+
+    if storage_options is not None and (not blocking or wants_sharded(obj, process_group)):
+        raise CheckpointError("storage_options is supported by blocking single-process saves; "
+                              "for sharded or async saves set the AWS environment variables")
 
     if wants_sharded(obj, process_group):
         from .distributed.sharded_save import save as sharded_save
@@ -259,6 +287,7 @@ def save(
     return write_source(
         source, path, kind=kind, backend=backend, chunk_bytes=chunk_bytes,
         compression=compression, progress=progress, buffer_bytes=buffer_bytes, checksum=checksum,
+        storage_options=storage_options,
     )
 
 
@@ -350,21 +379,24 @@ def as_values(words: np.ndarray, fmt: ScalarFormat) -> np.ndarray | Encoded:
 class Checkpoint(Mapping[str, TensorHandle]):
     """A read-only, validated view of a checkpoint. Use as a context manager."""
 
-    def __init__(self, path: Any, *, backend: str | None = None) -> None:
+    def __init__(self, path: Any, *, backend: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         self.path = path
         self._pool: ThreadPoolExecutor | None = None  # checks chunks while reading ahead
         for attempt in range(OPEN_ATTEMPTS):  # a save replaced the path while it was opened
             try:
-                self._open(path, backend)
+                self._open(path, backend, storage_options)
                 return
             except CheckpointReplacedError:
                 if attempt == OPEN_ATTEMPTS - 1:
                     raise
 
-    def _open(self, path: Any, backend: str | None) -> None:
+    def _open(
+        self, path: Any, backend: str | None, storage_options: dict[str, Any] | None
+    ) -> None:
         """Open the reader and read every piece of metadata; then check the store is still
         the one opened, so that the metadata all comes from one checkpoint."""
-        self._reader = open_reader(path, backend)
+        self._reader = open_reader(path, backend, storage_options)
         try:
             self.backend = self._reader.backend
             self.root_attrs = self._reader.root_attrs
@@ -565,9 +597,12 @@ def _is_row_block(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
     )
 
 
-def open(path: Any, *, backend: str | None = None) -> Checkpoint:  # noqa: A001 - public API name
-    """Open a checkpoint read-only: ``ck.layout``, ``ck[name][10:20]``, ``np.asarray(ck[name])``."""
-    return Checkpoint(path, backend=backend)
+def open(  # noqa: A001 - public API name
+    path: Any, *, backend: str | None = None, storage_options: dict[str, Any] | None = None
+) -> Checkpoint:
+    """Open a checkpoint read-only: ``ck.layout``, ``ck[name][10:20]``, ``np.asarray(ck[name])``.
+    ``storage_options``: fsspec options for a URL (endpoint, credentials)."""
+    return Checkpoint(path, backend=backend, storage_options=storage_options)
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -630,6 +665,8 @@ def load(
     verify: bool = True,
     progress: Any = None,
     process_group: Any = None,
+    strict_order: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> LoadResult:
     """Load a checkpoint in place into a torch module, a state dict, or a dict of arrays.
 
@@ -637,14 +674,17 @@ def load(
     payload lengths) and, with ``verify=True``, every checksum is checked too. Only then is
     anything copied in; on any error the target is unchanged. There is never a silent cast:
     pass ``cast={"name": "float32"}`` to convert a tensor explicitly.
+    Tensors are matched by name, so a file whose tensors are in another order (a converted
+    safetensors file is sorted by name) loads; ``strict_order=True`` also requires the file's
+    tensors to be in the target's order.
     With ``process_group`` (or DTensors / ``LocalShard`` values in the target) every rank
     reads only the regions of its own shards, from a checkpoint saved by any number of ranks.
     """
     from .distributed import wants_sharded
 
     if wants_sharded(target, process_group):
-        if cast:
-            raise CheckpointError("cast is not supported by sharded loads")
+        if cast or storage_options is not None:
+            raise CheckpointError("cast and storage_options are not supported by sharded loads")
         from .distributed.sharded_load import load as sharded_load
 
         return sharded_load(target, path, process_group=process_group, strict=strict,
@@ -659,7 +699,7 @@ def load(
     def load_from(ck: Checkpoint) -> LoadResult:
         expected = expected_with_casts(ck.layout, target_layout, casts)
         ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
-                        order_matters=strict)
+                        order_matters=strict_order)
         result = LoadResult(
             missing=[n for n in expected.names() if n not in ck.layout],
             unexpected=[n for n in ck.layout.names() if n not in expected],
@@ -684,7 +724,7 @@ def load(
                 result.loaded.append(name)
         return result
 
-    result = read_once(path, load_from, lambda: not touched)
+    result = read_once(path, load_from, lambda: not touched, storage_options=storage_options)
     warn_skipped(result)
     return result
 
@@ -700,14 +740,15 @@ def warn_skipped(result: LoadResult) -> None:
 
 
 def read_once(
-    path: Any, read: Callable[[Checkpoint], T], may_retry: Callable[[], bool] = lambda: True
+    path: Any, read: Callable[[Checkpoint], T], may_retry: Callable[[], bool] = lambda: True,
+    *, storage_options: dict[str, Any] | None = None,
 ) -> T:
     """``read(ck)`` on the checkpoint at ``path``; started over on the new checkpoint (up to
     OPEN_ATTEMPTS times, while ``may_retry()``) when a save replaces it before ``read`` is
     done, so that everything returned comes from one checkpoint."""
     for attempt in range(OPEN_ATTEMPTS):
         try:
-            with Checkpoint(path) as ck:
+            with Checkpoint(path, storage_options=storage_options) as ck:
                 return read(ck)
         except CheckpointReplacedError:
             if attempt == OPEN_ATTEMPTS - 1 or not may_retry():
@@ -727,20 +768,30 @@ def _install(
 
 
 def load_state(
-    path: Any, *, like: Any = None, cast: Mapping[str, Any] | None = None, strict: bool = True
+    path: Any,
+    *,
+    like: Any = None,
+    cast: Mapping[str, Any] | None = None,
+    strict: bool = True,
+    strict_order: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Read a checkpoint into a NEW dict; nothing is mutated.
 
     Without ``like``: numpy arrays (ml_dtypes dtypes where they exist) and ``Encoded`` values.
     With ``like`` (a module, state dict or Layout): validated against it, and returned as torch
-    tensors of the same dtypes on the same devices when ``like`` holds torch tensors.
+    tensors of the same dtypes on the same devices when ``like`` holds torch tensors, matched
+    by name (``strict_order=True`` also requires ``like``'s order).
     """
     casts = _casts(cast)
-    return read_once(path, lambda ck: _state_of(ck, like, casts, strict))
+    return read_once(
+        path, lambda ck: _state_of(ck, like, casts, strict, strict_order),
+        storage_options=storage_options,
+    )
 
 
 def _state_of(
-    ck: Checkpoint, like: Any, casts: dict[str, ScalarFormat], strict: bool
+    ck: Checkpoint, like: Any, casts: dict[str, ScalarFormat], strict: bool, strict_order: bool
 ) -> dict[str, Any]:
     devices: dict[str, Any] = {}
     if like is not None:
@@ -748,7 +799,7 @@ def _state_of(
         devices = _devices_of(like)
         expected = expected_with_casts(ck.layout, like_layout, casts)
         ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
-                        order_matters=strict)
+                        order_matters=strict_order)
         wanted = {e.name: like_layout[e.name].format for e in expected if e.name in ck.layout}
     else:
         if any(n not in ck.layout for n in casts):

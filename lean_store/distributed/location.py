@@ -26,23 +26,26 @@ def is_url(path: Any) -> bool:
 
 
 class Location:
-    """The final path, and the root every rank writes to (``work``)."""
+    """The final path, and the root every rank writes to (``work``).
 
-    def __init__(self, path: Any, work: str) -> None:
+    Also used by single-process Zarr saves to a URL (``lean_store.stores.zarr_url``)."""
+
+    def __init__(self, path: Any, work: str, storage_options: dict[str, Any] | None = None
+                 ) -> None:
         self.path = path
         self.work = work
+        self.storage_options = storage_options
 
     @classmethod
-    def create(cls, path: Any) -> Location:
+    def create(cls, path: Any, storage_options: dict[str, Any] | None = None) -> Location:
         """Rank 0: choose the work root (the caller shares ``work`` with the other ranks)."""
         if is_url(path):
-            fs, root = _fs(path)
+            fs, root = _fs(path, storage_options)
             if fs.exists(root):
                 raise CheckpointError(
-                    f"{path} exists: a sharded save to a URL never overwrites; use a new prefix "
-                    "per step"
+                    f"{path} exists: a save to a URL never overwrites; use a new prefix per step"
                 )
-            return cls(path, path)
+            return cls(path, path, storage_options)
         final = Path(path)
         if not final.parent.is_dir():
             raise CheckpointError(f"cannot save to {path}: directory {final.parent} does not exist")
@@ -74,18 +77,27 @@ class Location:
         if self.local:
             remove_path(Path(self.work))
         else:
-            fs, root = _fs(self.work)
+            fs, root = _fs(self.work, self.storage_options)
             try:
                 fs.rm(root, recursive=True)
             except FileNotFoundError:
                 pass
 
 
-def _fs(url: str) -> tuple[Any, str]:
+def _fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
     import fsspec
 
-    fs, root = fsspec.core.url_to_fs(url, **STORAGE_OPTIONS)
+    fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
     return fs, root
+
+
+def storage_options_for(url: str, given: dict[str, Any] | None = None) -> dict[str, Any]:
+    """fsspec options for ``url``: ``given`` (endpoint, keys, ...) or, by default, none beyond
+    creating local directories; s3fs then reads the standard AWS environment variables
+    (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ...)."""
+    if given is not None:
+        return dict(given)
+    return dict(STORAGE_OPTIONS) if url.startswith(("file:", "local:")) else {}
 
 
 def fsync_file(path: str | os.PathLike) -> None:

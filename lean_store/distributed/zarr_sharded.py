@@ -20,10 +20,12 @@ from ..stores.zarr_store import (
     ZarrTensorWriter,
     _compressors,
     _plain,
+    dimension_names,
+    mark_complete,
     native_dtype,
     stored_shape,
 )
-from .location import STORAGE_OPTIONS, is_url
+from .location import is_url, storage_options_for
 from .plan import TensorPlan
 from .shard_spec import ChunkPlan, aligned_chunks
 
@@ -43,7 +45,7 @@ def chunk_plan(plan: TensorPlan, chunk_bytes: int, *, always_aligned: bool = Fal
 
 
 def _options(root: str) -> dict[str, Any]:
-    return {"storage_options": STORAGE_OPTIONS} if is_url(root) else {}
+    return {"storage_options": storage_options_for(root)} if is_url(root) else {}
 
 
 def create_arrays(
@@ -66,6 +68,7 @@ def create_arrays(
             filters=None,
             fill_value=0,
             attributes=_plain(attrs),
+            dimension_names=dimension_names(entry),
             config=CONFIG,
         )
 
@@ -80,10 +83,12 @@ def open_writer(root: str, plan: TensorPlan, cp: ChunkPlan) -> ZarrTensorWriter:
 
 def finish(root: str, plans: list[TensorPlan], records: list[str], root_attrs: dict[str, Any]
            ) -> None:
-    """Rank 0, after every rank succeeded: shard records per array, then the root attributes
-    with ``complete`` written last (the commit marker on object stores)."""
+    """Rank 0, after every rank succeeded: shard records per array, the root attributes, then
+    the root ``zarr.json`` with consolidated metadata and ``complete`` written last (the commit
+    marker on object stores)."""
     group = zarr.open_group(store=root, mode="r+", zarr_format=3, **_options(root))
     for plan, shards in zip(plans, records):
         array = group[node_name(plan.entry.name)]
         array.attrs.update({"shards": shards})
-    group.attrs.update({**_plain(root_attrs), "complete": True})  # one write: complete last
+    group.attrs.update(_plain(root_attrs))
+    mark_complete(group)  # one write: consolidated metadata and complete, last

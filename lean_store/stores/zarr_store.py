@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+from zarr.errors import ZarrUserWarning
 
 from ..chunking import Region, grow_chunks, plan_chunks
 from ..errors import CheckpointError, CheckpointReplacedError, IntegrityError, UnsafeFileError
@@ -58,6 +60,48 @@ def stored_shape(entry: Entry) -> tuple[int, ...]:
     if entry.format.words_per_value == 2 and native_dtype(entry.format) is None:
         shape = shape + (2,)
     return shape
+
+
+def dimension_names(entry: Entry) -> tuple[str, ...]:
+    """Zarr ``dimension_names`` of the stored axes, unique per tensor and axis (xarray refuses
+    one name with two lengths): ``"<tensor>.dim_<i>"`` as in ``Checkpoint.to_xarray``, then
+    ``"<tensor>.scalar"`` for a scalar's length-1 axis and ``"<tensor>.word"`` for the trailing
+    pair of a complex value stored as raw words."""
+    dims = [f"{entry.name}.dim_{i}" for i in range(len(entry.shape))] or [f"{entry.name}.scalar"]
+    if len(stored_shape(entry)) > len(dims):
+        dims.append(f"{entry.name}.word")
+    return tuple(dims)
+
+
+def mark_complete(group: zarr.Group) -> None:
+    """The last write of a store: the root ``zarr.json`` with every array's metadata
+    consolidated into it (one read opens the store, as ``zarr.consolidate_metadata`` writes it)
+    and ``complete`` set, in one write. Every array's metadata must be final before this."""
+    with warnings.catch_warnings():  # "consolidated metadata is not part of the v3 spec"
+        warnings.simplefilter("ignore", ZarrUserWarning)
+        consolidated = zarr.consolidate_metadata(group.store, path=group.path, zarr_format=3)
+    consolidated.attrs["complete"] = True
+
+
+def check_consolidated(node: str, array: zarr.Array, group: zarr.Group) -> None:
+    """The consolidated copy of an array's metadata, where the root has one, must describe the
+    same array as its own ``zarr.json`` (shape, data type, chunks, codecs, fill value,
+    dimension names): other readers (xarray, zarr with ``use_consolidated``) see only the copy.
+    Attributes are lean_store's own, read from the array's ``zarr.json`` and checked against
+    the data by their digests, so they are not compared."""
+    consolidated = group.metadata.consolidated_metadata
+    if consolidated is None:  # stores written before lean_store consolidated, or by others
+        return
+    copy = consolidated.metadata.get(node)
+
+    def described(meta: Any) -> dict[str, Any]:
+        return {k: v for k, v in meta.to_dict().items() if k != "attributes"}
+
+    if copy is None or described(copy) != described(array.metadata):
+        raise IntegrityError(
+            f"{node!r}: the consolidated metadata in the root zarr.json disagrees with "
+            f"{node}/zarr.json; the store was altered after it was written"
+        )
 
 
 def _compressors(compression: Any) -> list[Any]:
@@ -124,6 +168,7 @@ class ZarrWriter(StoreWriter):
         self._compressors = _compressors(compression)
         with self._creating():
             self._group = zarr.open_group(store=str(self.tmp_path), mode="w-", zarr_format=3)
+        self._direct_root: Path | None = self.tmp_path  # None: write through zarr only
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         from ..naming import node_name
@@ -144,17 +189,19 @@ class ZarrWriter(StoreWriter):
             filters=None,
             fill_value=0,
             attributes=_plain(attrs),
+            dimension_names=dimension_names(entry),
             config={"write_empty_chunks": True},
         )
         direct = None
-        if self.compression in (None, False) and direct_ok(array):
-            direct = DirectWriter(self.tmp_path / node_name(entry.name), array, chunks, shards,
+        if self._direct_root is not None and self.compression in (None, False) and direct_ok(
+                array):
+            direct = DirectWriter(self._direct_root / node_name(entry.name), array, chunks, shards,
                                   dtype.itemsize)
         return ZarrTensorWriter(array, entry, chunks, shards or chunks, direct)
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
         self._group.attrs.update(_plain(root_attrs))
-        self._group.attrs["complete"] = True  # written last: a store without it is incomplete
+        mark_complete(self._group)  # written last: a store without it is incomplete
 
 
 class ZarrReader(StoreReader):
@@ -179,6 +226,7 @@ class ZarrReader(StoreReader):
             raise
         self._arrays: dict[str, zarr.Array] = {}
         self._direct: dict[str, DirectReader | None] = {}
+        self._consistent: set[str] = set()
         # per thread: inside checks_deferred() (depth), and a read not yet checked there
         self._deferral = threading.local()
         self._closed = False
@@ -236,8 +284,9 @@ class ZarrReader(StoreReader):
                 path = self._root / node
                 if path.is_symlink() or not path.resolve().is_relative_to(self._root.resolve()):
                     raise UnsafeFileError(f"{node!r} points outside the checkpoint")
-            try:
-                array = self._group[node]
+            try:  # the array's own zarr.json, whatever the consolidated metadata says
+                array = zarr.open_array(store=self._group.store, path=node, mode="r",
+                                        zarr_format=3)
             except Exception as exc:
                 raise IntegrityError(f"array {node!r} is missing or unreadable ({exc})") from None
             if not isinstance(array, zarr.Array):
@@ -291,6 +340,9 @@ class ZarrReader(StoreReader):
     ) -> tuple[np.ndarray, bool]:
         """(words, read from the pinned root directory)."""
         array = self._array(node)
+        if node not in self._consistent:  # before any data: what other readers see agrees
+            check_consolidated(node, array, self._group)
+            self._consistent.add(node)
         words = fmt.words_per_value
         raw_pairs = words == 2 and native_dtype(fmt) is None
         key = selection.slices() + ((slice(None),) if raw_pairs else ())
