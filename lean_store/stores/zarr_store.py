@@ -56,9 +56,23 @@ def stored_shape(entry: Entry) -> tuple[int, ...]:
     return shape
 
 
+WEIGHTS_BLOCK_BYTES = 1 << 20
+"""Blosc block of ``compression="weights"``: zstd sees 1 MiB of shuffled words at a time (its
+default block at level 1 is a few KiB, which costs ~8 points of ratio on bf16)."""
+
+
+def weights_codec() -> BloscCodec:
+    """``compression="weights"``: Blosc (a Zarr v3 core codec, read by zarr-python, TensorStore
+    and zarrs) with a byte shuffle grouped by the stored word width (its ``typesize`` is taken
+    from the array's data type) and zstd level 1: exponent bytes apart from mantissa bytes."""
+    return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", blocksize=WEIGHTS_BLOCK_BYTES)
+
+
 def _compressors(compression: Any) -> list[Any]:
     if compression in (None, False):
         codecs: list[Any] = []
+    elif compression == "weights":
+        codecs = [weights_codec()]
     elif compression in ("zstd", True):
         codecs = [ZstdCodec(level=3)]
     elif compression == "gzip":
@@ -66,7 +80,8 @@ def _compressors(compression: Any) -> list[Any]:
     elif compression == "blosc":
         codecs = [BloscCodec()]
     else:
-        raise CheckpointError(f"unknown zarr compression {compression!r}; use zstd, gzip or blosc")
+        raise CheckpointError(f"unknown zarr compression {compression!r}; "
+                             "use weights, zstd, gzip or blosc")
     return codecs + [LeanCrc32cCodec()]  # stock crc32c bytes, a cheaper encoder
 
 
