@@ -29,6 +29,7 @@ from ..hardening import (
     scan_local_zarr,
     touched_keys,
 )
+from ..incremental import linker_for
 from ..layout import Entry
 from ..zarr_crc import LeanCrc32cCodec
 from ..zarr_direct import DirectWriter, direct_ok
@@ -88,9 +89,10 @@ def _compressors(compression: Any) -> list[Any]:
 class ZarrTensorWriter(TensorWriter):
     def __init__(
         self, array: zarr.Array, entry: Entry, chunks: tuple[int, ...], unit: tuple[int, ...],
-        direct: DirectWriter | None = None,
+        direct: DirectWriter | None = None, linker: Any = None,
     ) -> None:
         self._array = array
+        self._linker = linker  # incremental steps, compressed arrays: link equal files after
         self._direct = direct  # whole shard files written without zarr's copies
         self._native = native_dtype(entry.format)
         self._pairs = entry.format.words_per_value == 2 and self._native is None
@@ -98,6 +100,7 @@ class ZarrTensorWriter(TensorWriter):
         self.chunk_shape = chunks
         rank = len(entry.shape or (1,))
         self.write_unit = unit[:rank]  # regions are over the logical stored shape
+        self._unit = unit
 
     def write(self, region: Region, bits: np.ndarray, crc: int | None = None) -> None:
         data = np.ascontiguousarray(bits)
@@ -109,6 +112,9 @@ class ZarrTensorWriter(TensorWriter):
             self._direct.write(region, data)
         else:
             self._array[region] = data
+            if self._linker is not None:
+                self._linker.link_if_same(self._array.metadata.encode_chunk_key(
+                    tuple(s.start // u for s, u in zip(region, self._unit))))
 
     def close(self, attrs: dict[str, Any]) -> None:
         self._array.attrs.update(_plain(attrs))
@@ -156,10 +162,12 @@ class ZarrWriter(StoreWriter):
             config={"write_empty_chunks": True},
         )
         direct = None
+        array_dir = self.tmp_path / node_name(entry.name)
+        linker = linker_for(array_dir, node_name(entry.name))  # incremental steps only
         if self.compression in (None, False) and direct_ok(array):
-            direct = DirectWriter(self.tmp_path / node_name(entry.name), array, chunks, shards,
-                                  dtype.itemsize)
-        return ZarrTensorWriter(array, entry, chunks, shards or chunks, direct)
+            direct = DirectWriter(array_dir, array, chunks, shards, dtype.itemsize, linker)
+        return ZarrTensorWriter(array, entry, chunks, shards or chunks, direct,
+                                None if direct is not None else linker)
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
         self._group.attrs.update(_plain(root_attrs))
