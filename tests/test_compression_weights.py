@@ -157,3 +157,23 @@ def test_checkpointer_passes_weights_compression(tmp_path):
         fresh = torch.nn.Linear(16, 8)
         ck.restore(model=fresh)
         assert torch.equal(fresh.weight, model.weight)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inspect_shows_stored_size_and_ratio(tmp_path, backend, capsys):
+    import json
+
+    from lean_store.cli import main
+
+    w = _weights(256, 256)
+    path = tmp_path / f"w{SUFFIX[backend]}"
+    ls.save({"w": w, "n": np.arange(10, dtype=np.int64)}, path, compression="weights")
+    assert main(["inspect", str(path), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["tensors"]}
+    row = rows["w"]
+    assert row["bytes"] == w.nbytes
+    assert row["ratio"] == round(row["bytes_on_disk"] / w.nbytes, 4) and row["ratio"] < 0.9
+    assert ("blosc" if backend == "zarr" else "gzip") in row["compression"]
+    assert main(["inspect", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "ratio" in table and f"{row['ratio']:.3f}" in table
