@@ -177,3 +177,57 @@ def test_inspect_shows_stored_size_and_ratio(tmp_path, backend, capsys):
     assert main(["inspect", str(path)]) == 0
     table = capsys.readouterr().out
     assert "ratio" in table and f"{row['ratio']:.3f}" in table
+
+
+@pytest.mark.parametrize("checksum", ["crc32c", "fletcher32+crc32c"])
+def test_threaded_deflate_chunks_are_what_hdf5_filters_make(tmp_path, checksum, monkeypatch):
+    """lean_store shuffles and deflates HDF5 chunks itself (on a thread pool): the stored
+    chunks must decode, through HDF5's own pipeline and by hand, to HDF5's shuffled bytes."""
+    import zlib
+
+    from lean_store.stores import hdf5_deflate
+
+    submitted = []
+    real = hdf5_deflate.DeflateChunks.submit
+    monkeypatch.setattr(hdf5_deflate.DeflateChunks, "submit",
+                        lambda self, *a: (submitted.append(a[0]), real(self, *a)))
+    w = _weights(102, 256)  # 4 KiB chunks of 4 rows, the last one an edge chunk of 2 rows
+    ours, theirs = tmp_path / "ours.h5", tmp_path / "theirs.h5"
+    ls.save({"w": w}, ours, compression="weights", chunk_bytes=4096, checksum=checksum)
+    assert len(submitted) == 26  # every chunk went through lean_store's threaded deflate
+    with h5py.File(theirs, "w") as f:
+        f.create_dataset("w", data=w, chunks=(4, 256), shuffle=True, compression="gzip",
+                         compression_opts=1, fletcher32=checksum != "crc32c")
+    with h5py.File(ours, "r") as a, h5py.File(theirs, "r") as b:
+        np.testing.assert_array_equal(a["w"][...].view(np.float32), w)  # HDF5's pipeline
+        for row in range(0, 102, 4):
+            mask_a, raw_a = a["w"].id.read_direct_chunk((row, 0))
+            mask_b, raw_b = b["w"].id.read_direct_chunk((row, 0))
+            assert mask_a == mask_b == 0
+            if checksum != "crc32c":
+                raw_a, raw_b = raw_a[:-4], raw_b[:-4]
+            valid = min(4, 102 - row) * 256 * 4  # edge chunks: the padding is unspecified
+
+            def unshuffled(raw):
+                return np.frombuffer(zlib.decompress(raw), np.uint8).reshape(4, -1).T.reshape(-1)
+
+            assert unshuffled(raw_a)[:valid].tobytes() == unshuffled(raw_b)[:valid].tobytes()
+            assert unshuffled(raw_a)[:valid].tobytes() == w[row: row + 4].tobytes()
+
+
+def test_h5dump_reads_weights_compression(tmp_path):
+    import shutil
+    import subprocess
+
+    h5dump = shutil.which("h5dump")
+    assert h5dump, "h5dump is required: ./dev test installs Debian's hdf5-tools"
+    path = tmp_path / "w.h5"
+    twelve = ls.formats.binary(5, 6)  # N-bit packed, then shuffled and deflated
+    ls.save({"f32": np.array([1.5, -2.25, 1e-3], dtype=np.float32),
+             "b12": ls.Encoded.from_values([0.75, -6.5, 1024.0], twelve)},
+            path, compression="weights")
+    for name, text in (("f32", "1.5, -2.25, 0.001"), ("b12", "0.75, -6.5, 1024")):
+        out = subprocess.run([h5dump, "-A", "0", "-d", name, str(path)], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert text in " ".join(out.stdout.split("DATA {", 1)[1].split()), out.stdout
