@@ -68,7 +68,7 @@ class Checkpointer:
         self.process_group = process_group
         self.incremental = bool(incremental)
         self.last_save_stats: IncrementalStats | None = None
-        """Written and linked file bytes of the last incremental save."""
+        """Written and linked unit-file bytes of the last save, when it had a step to link to."""
         if create:
             self.directory.mkdir(parents=True, exist_ok=True)
         elif not self.directory.is_dir():
@@ -124,11 +124,12 @@ class Checkpointer:
         if existing is not None and not overwrite:
             raise CheckpointError(f"step {step} already exists at {existing}; pass overwrite=True")
         path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
-        with linking_from(self._base() if self.incremental else None) as stats:
+        base = self._base() if self.incremental else None
+        with linking_from(base) as stats:
             save_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
                           step=step, rng=rng, data=data, extra=extra, generators=generators,
                           backend=self.backend, compression=compression, progress=progress)
-        self.last_save_stats = stats if self.incremental else None
+        self.last_save_stats = stats if base is not None else None
         if existing is not None and existing != path:
             self._remove(existing)
         self._prune()

@@ -241,3 +241,15 @@ def test_sigkill_during_incremental_step_leaves_previous_steps(scratch):
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
     ck.save(2, model=model, rng=False)
     assert ck.steps() == [0, 1, 2] and ls.verify(ck.path(2)).ok
+
+
+def test_first_step_has_no_stats_and_non_incremental_links_nothing(scratch):
+    model = _frozen_model()
+    ck = ls.Checkpointer(scratch / "inc", backend="zarr", incremental=True)
+    ck.save(0, model=model, rng=False)
+    assert ck.last_save_stats is None  # nothing to link to yet
+    plain = ls.Checkpointer(scratch / "plain", backend="zarr")
+    plain.save(0, model=model, rng=False)
+    second = plain.save(1, model=model, rng=False)
+    assert plain.last_save_stats is None
+    assert all(p.stat().st_nlink == 1 for p in second.rglob("*") if p.is_file())
