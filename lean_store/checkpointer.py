@@ -6,6 +6,10 @@ sibling (``.step_<n>.h5.lean_store-tmp-*``) that is fsynced and renamed into pla
 complete, so a step is either listed and whole, or not listed at all. A writer killed mid-save
 leaves only a hidden temporary, which :meth:`Checkpointer.save` clears away next time.
 
+With ``incremental=True`` (Zarr only) a step hard-links every chunk or shard file that is
+byte-identical to the previous step's instead of writing it (see :mod:`lean_store.incremental`):
+each step is still a complete, standalone store, and deleting any step never damages another.
+
 One directory belongs to one writer at a time. With ``process_group`` (or a DTensor model) the
 writer is the group: every rank calls ``save``/``restore``, each step is a sharded training
 checkpoint, and rank 0 alone lists, cleans and prunes the directory, with the ranks agreeing
@@ -24,6 +28,7 @@ from typing import Any
 
 from .checkpoint import BACKENDS
 from .errors import CheckpointError, ForeignPathError
+from .incremental import IncrementalStats, linking_from
 from .stores.base import remove_path
 from .stores.target import check_replaceable
 from .training import SCHEDULED, TrainingInfo, load_training, save_training
@@ -43,9 +48,18 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = None,
                  backend: str = "hdf5", create: bool = True,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, incremental: bool = False) -> None:
         if backend not in BACKENDS:
             raise CheckpointError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+        if incremental and backend != "zarr":
+            raise CheckpointError(
+                "incremental=True needs backend='zarr': unchanged chunks are shared between "
+                "steps as hard-linked chunk files, and an HDF5 checkpoint is one file (sharing "
+                "chunks would need external or virtual storage, which lean_store refuses)"
+            )
+        if incremental and process_group is not None:
+            raise CheckpointError("incremental=True is not supported for sharded (process_group)"
+                                  " runs yet")
         if keep_last is not None and (
             not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
         ):
@@ -54,6 +68,9 @@ class Checkpointer:
         self.keep_last = keep_last
         self.backend = backend
         self.process_group = process_group
+        self.incremental = bool(incremental)
+        self.last_save_stats: IncrementalStats | None = None
+        """Written and linked unit-file bytes of the last save, when it had a step to link to."""
         if create:
             self.directory.mkdir(parents=True, exist_ok=True)
         elif not self.directory.is_dir():
@@ -111,13 +128,24 @@ class Checkpointer:
         path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
         if existing is not None and existing != path:
             check_replaceable(existing)  # it is removed after the save: refuse before it
-        save_training(path, model=model, optimizer=optimizer, scheduler=scheduler, step=step,
-                      rng=rng, data=data, extra=extra, generators=generators,
-                      backend=self.backend, compression=compression, progress=progress)
+        base = self._base() if self.incremental else None
+        with linking_from(base) as stats:
+            save_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
+                          step=step, rng=rng, data=data, extra=extra, generators=generators,
+                          backend=self.backend, compression=compression, progress=progress)
+        self.last_save_stats = stats if base is not None else None
         if existing is not None and existing != path:
             self._remove(existing)
         self._prune()
         return path
+
+    def _base(self) -> Path | None:
+        """The step an incremental save links to: the latest committed Zarr step."""
+        entries = self._entries()
+        for step in sorted(entries, reverse=True):
+            if entries[step].suffix == ".zarr" and entries[step].is_dir():
+                return entries[step]
+        return None
 
     def _comm(self, model: Any, optimizer: Any) -> Any:
         """The collective of a sharded run, or None for a single process."""
@@ -230,7 +258,7 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, keep_last={self.keep_last}, "
-                f"backend={self.backend!r}, steps={self.steps()})")
+                f"backend={self.backend!r}, incremental={self.incremental}, steps={self.steps()})")
 
 
 def _check_step(step: Any) -> None:

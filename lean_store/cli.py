@@ -98,6 +98,13 @@ _CHECKSUMS = (
 )
 
 
+def _ratio(stored: int | None, raw: int) -> float | None:
+    """Stored bytes (chunks, checksums, shard indexes) over the tensor's raw bytes."""
+    if stored is None or raw <= 0:
+        return None
+    return round(stored / raw, 4)
+
+
 def _compression(ck: Any, handle: Any) -> str:
     filters = list(handle.stored.filters)
     if ck.backend == "zarr" and "ShardingCodec" in filters:
@@ -128,6 +135,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "bytes_on_disk": _disk_bytes(ck, handle),
                 "compression": _compression(ck, handle),
             })
+            rows[-1]["ratio"] = _ratio(rows[-1]["bytes_on_disk"], entry.nbytes)
         stats: dict[str, Any] = {}
         if args.stats:
             from .progress import make_progress
@@ -149,16 +157,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     title = (f"{header['path']}  ({header['backend']}, {header['kind']}, "
              f"{header['tensor_count']} tensors)")
     table = Table(title=title)
-    columns = ["#", "name", "shape", "format", "width", "chunks", "bytes on disk", "compression"]
+    columns = ["#", "name", "shape", "format", "width", "chunks", "bytes on disk", "ratio",
+               "compression"]
     if args.stats:
         columns += ["min", "max", "mean", "NaN", "inf"]
     for col in columns:
-        table.add_column(col, justify="right" if col in ("#", "width", "bytes on disk") else "left",
-                         overflow="fold")
+        right = col in ("#", "width", "bytes on disk", "ratio")
+        table.add_column(col, justify="right" if right else "left", overflow="fold")
     for row in rows:
         cells = [str(row["index"]), row["name"], str(tuple(row["shape"])), row["format"],
                  str(row["width"]), str(tuple(row["chunks"])), _size(row["bytes_on_disk"]),
-                 row["compression"]]
+                 "-" if row["ratio"] is None else f"{row['ratio']:.3f}", row["compression"]]
         if args.stats:
             s = stats[row["name"]]
             cells += [_num(s.min), _num(s.max), _num(s.mean), str(s.nan),
@@ -359,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--from", dest="src_format", choices=FORMATS, help="input format")
     p.add_argument("--to", dest="dst_format", choices=FORMATS, help="output format")
-    p.add_argument("--compression", help="hdf5: gzip, gzip:LEVEL, lzf; zarr: zstd, gzip, blosc")
+    p.add_argument("--compression", help="weights (both: shuffle+deflate / blosc-zstd); "
+                   "hdf5: gzip, gzip:LEVEL, lzf; zarr: zstd, gzip, blosc")
     p.add_argument("--chunk-bytes", type=int, help="chunk size for hdf5/zarr outputs")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--no-progress", dest="progress", action="store_false",

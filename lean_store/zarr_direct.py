@@ -43,10 +43,11 @@ class DirectWriter:
 
     def __init__(
         self, root: Path, array: Any, chunks: tuple[int, ...], shards: tuple[int, ...] | None,
-        itemsize: int,
+        itemsize: int, linker: Any = None,
     ) -> None:
         self._root = root
         self._array = array
+        self._linker = linker  # incremental steps: a lean_store.incremental.UnitLinker
         self._shape = tuple(array.shape)
         self._chunks = chunks
         self._shards = shards
@@ -82,6 +83,9 @@ class DirectWriter:
                 pieces += chunk
             raw = index.tobytes()
             pieces += [raw, _crc_bytes(raw)]
+        if self._linker is not None:
+            self._linker.link_or_write(path, key, pieces)
+            return
         with open(path, "wb") as f:
             for piece in pieces:
                 f.write(piece)

@@ -1,0 +1,207 @@
+"""Size and speed of ``compression="weights"`` and of incremental steps, side by side.
+
+    .venv/bin/python tools/bench/compression.py                  # defaults (a few minutes)
+    .venv/bin/python tools/bench/compression.py --width 256 --train-steps 50 --rounds 1  # quick
+
+Weights are real trained weights: a small residual MLP (``--layers`` blocks of
+width x 4width x width) trained with AdamW for ``--train-steps`` steps on a synthetic regression
+task. Its parameters are saved as float32, bfloat16, float16 and float8_e4m3fn (bf16 and fp16 by
+torch casts, fp8 by an ml_dtypes cast), on both backends, uncompressed and with
+``compression="weights"``. Each round saves (fsynced, atomic, as ``ls.save`` always does) then
+loads (``ls.load_state``, warm page cache, every chunk CRC-checked) each setting in turn; the
+table gives medians, sizes on disk and the ratios the targets are stated in.
+
+Incremental: the same model fine-tuned with ~90 % of its parameters frozen, saved as Zarr
+training checkpoints by ``Checkpointer(incremental=True)`` against full steps of the same state.
+Results also go to a JSON file (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import torch
+
+import lean_store as ls
+
+MiB = 1 << 20
+
+
+def train(width: int, layers: int, steps: int, seed: int = 0) -> torch.nn.Module:
+    """A residual MLP trained ``steps`` AdamW steps to fit a fixed random tanh map."""
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width),
+                   torch.nn.GELU(), torch.nn.Linear(4 * width, width)]
+    model = torch.nn.Sequential(*blocks)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    target = torch.randn(width, width) / width**0.5
+    for _ in range(steps):
+        x = torch.randn(64, width)
+        loss = (model(x) - torch.tanh(x @ target)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def formats_of(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    params = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    return {
+        "float32": params,
+        "bfloat16": {k: v.to(torch.bfloat16) for k, v in params.items()},
+        "float16": {k: v.to(torch.float16) for k, v in params.items()},
+        "float8_e4m3fn": {k: v.numpy().astype(ml_dtypes.float8_e4m3fn)
+                          for k, v in params.items()},
+    }
+
+
+def disk_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def raw_bytes(state: dict[str, Any]) -> int:
+    return sum(v.numel() * v.element_size() if hasattr(v, "element_size") else v.nbytes
+               for v in state.values())
+
+
+def bench_formats(model: torch.nn.Module, work: Path, rounds: int) -> list[dict[str, Any]]:
+    rows = []
+    states = formats_of(model)
+    settings = [(fmt, backend, comp) for fmt in states for backend in ("hdf5", "zarr")
+                for comp in (None, "weights")]
+    times: dict[tuple, dict[str, list[float]]] = {s: {"save": [], "load": []} for s in settings}
+    sizes: dict[tuple, int] = {}
+    for _ in range(rounds):
+        for fmt, backend, comp in settings:
+            path = work / f"{fmt}-{comp}{'.h5' if backend == 'hdf5' else '.zarr'}"
+            if path.exists():
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            t0 = time.perf_counter()
+            ls.save(states[fmt], path, compression=comp)
+            t1 = time.perf_counter()
+            ls.load_state(path)
+            t2 = time.perf_counter()
+            times[(fmt, backend, comp)]["save"].append(t1 - t0)
+            times[(fmt, backend, comp)]["load"].append(t2 - t1)
+            sizes[(fmt, backend, comp)] = disk_bytes(path)
+    for fmt, backend, comp in settings:
+        raw = raw_bytes(states[fmt])
+        save = statistics.median(times[(fmt, backend, comp)]["save"])
+        load = statistics.median(times[(fmt, backend, comp)]["load"])
+        rows.append({"format": fmt, "backend": backend, "compression": comp or "none",
+                     "raw_bytes": raw, "disk_bytes": sizes[(fmt, backend, comp)],
+                     "save_s": save, "load_s": load,
+                     "save_MiB_s": raw / MiB / save, "load_MiB_s": raw / MiB / load})
+    base = {(r["format"], r["backend"]): r for r in rows if r["compression"] == "none"}
+    for r in rows:
+        b = base[(r["format"], r["backend"])]
+        r["size_vs_uncompressed"] = r["disk_bytes"] / b["disk_bytes"]
+        r["saving_vs_raw"] = 1 - r["disk_bytes"] / r["raw_bytes"]
+        r["save_speed_vs_uncompressed"] = b["save_s"] / r["save_s"]
+        r["load_speed_vs_uncompressed"] = b["load_s"] / r["load_s"]
+    return rows
+
+
+def bench_incremental(model: torch.nn.Module, width: int, work: Path, steps: int
+                      ) -> dict[str, Any]:
+    """Fine-tune only the last Linear layer (the rest frozen); full vs incremental Zarr steps,
+    of the model alone and of the model with its AdamW state (moments of the trainable 10 %)."""
+    params = list(model.parameters())
+    head = [m for m in model if isinstance(m, torch.nn.Linear)][-1]
+    trainable = list(head.parameters())
+    ids = {id(p) for p in trainable}
+    for p in params:
+        p.requires_grad_(id(p) in ids)
+    total = sum(p.numel() for p in params)
+    result: dict[str, Any] = {
+        "frozen_fraction": 1 - sum(p.numel() for p in trainable) / total}
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+    for what in ("model", "model+adamw"):
+        for mode in ("full", "incremental"):
+            ck = ls.Checkpointer(work / f"{what}-{mode}", backend="zarr", keep_last=3,
+                                 incremental=mode == "incremental")
+            times, written = [], []
+            for step in range(steps):
+                loss = model(torch.randn(16, width)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                t0 = time.perf_counter()
+                path = ck.save(step, model=model, rng=False,
+                               optimizer=opt if what == "model+adamw" else None)
+                times.append(time.perf_counter() - t0)
+                stats = ck.last_save_stats
+                written.append(disk_bytes(path) if stats is None or step == 0
+                               else stats.written_bytes)
+            later = slice(1, None)  # step 0 of an incremental run has nothing to link to
+            result[f"{what} {mode}"] = {
+                "save_s": statistics.median(times[later]),
+                "written_bytes": statistics.median(written[later]),
+                "steps_left": ck.steps(),
+                "all_verify": all(ls.verify(ck.path(s)).ok for s in ck.steps())}
+        full, inc = result[f"{what} full"], result[f"{what} incremental"]
+        result[f"{what} bytes_ratio"] = inc["written_bytes"] / full["written_bytes"]
+        result[f"{what} time_ratio"] = inc["save_s"] / full["save_s"]
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--train-steps", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--incremental-steps", type=int, default=6)
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    model = train(args.width, args.layers, args.train_steps)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"trained {n / 1e6:.1f}M parameters for {args.train_steps} steps "
+          f"in {time.perf_counter() - t0:.0f} s ({platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores)")
+    work = Path(tempfile.mkdtemp(prefix="lean_store-bench-", dir=args.dir))
+    try:
+        (work / "formats").mkdir()
+        rows = bench_formats(model, work / "formats", rounds=args.rounds)
+        print(f"\n{'format':14} {'backend':7} {'comp':8} {'MiB':>8} {'saving':>7} "
+              f"{'save MiB/s':>10} {'load MiB/s':>10} {'save x':>7} {'load x':>7}")
+        for r in rows:
+            print(f"{r['format']:14} {r['backend']:7} {r['compression']:8} "
+                  f"{r['disk_bytes'] / MiB:8.2f} {r['saving_vs_raw']:7.1%} "
+                  f"{r['save_MiB_s']:10.0f} {r['load_MiB_s']:10.0f} "
+                  f"{r['save_speed_vs_uncompressed']:7.2f} {r['load_speed_vs_uncompressed']:7.2f}")
+        inc = bench_incremental(model, args.width, work, args.incremental_steps)
+        print(f"\nincremental Zarr steps, {inc['frozen_fraction']:.0%} of parameters frozen "
+              f"(medians of steps 1..{args.incremental_steps - 1}):")
+        for what in ("model", "model+adamw"):
+            full, part = inc[f"{what} full"], inc[f"{what} incremental"]
+            print(f"  {what:12} full step {full['written_bytes'] / MiB:8.2f} MiB "
+                  f"{full['save_s']:7.3f} s | incremental {part['written_bytes'] / MiB:8.2f} MiB "
+                  f"{part['save_s']:7.3f} s | bytes x{inc[f'{what} bytes_ratio']:.3f} "
+                  f"time x{inc[f'{what} time_ratio']:.3f} | steps left {part['steps_left']}, "
+                  f"all verify {part['all_verify']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"formats": rows, "incremental": inc},
+                                                  indent=1))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
