@@ -82,3 +82,13 @@ def h5_text(text: str):
 
     data = text.encode("utf-8")
     return np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data))))
+
+
+def without_save_id(files: dict[str, bytes]) -> dict[str, bytes]:
+    """A Zarr store's files (relative path -> bytes) with the root's ``save_id`` (new for every
+    save) blanked, so that two saves of the same state compare equal."""
+    import json
+
+    root = json.loads(files["zarr.json"])
+    root["attributes"]["save_id"] = ""
+    return {**files, "zarr.json": json.dumps(root, sort_keys=True).encode()}

@@ -18,8 +18,8 @@ from ..manifest import tensor_attrs
 from ..naming import node_name
 from ..stores.zarr_store import (
     ZarrTensorWriter,
-    _compressors,
     _plain,
+    compressors_for,
     dimension_names,
     mark_complete,
     native_dtype,
@@ -53,7 +53,7 @@ def create_arrays(
 ) -> None:
     """Rank 0: the group and every array's metadata (no data, no root attributes yet)."""
     group = zarr.open_group(store=root, mode="w-", zarr_format=3, **_options(root))
-    compressors = _compressors(compression)
+    compressors = compressors_for(compression)
     for plan, cp in zip(plans, chunks):
         entry = plan.entry
         shape = stored_shape(entry)

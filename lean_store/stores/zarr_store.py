@@ -117,7 +117,7 @@ def weights_codec() -> BloscCodec:
     return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", blocksize=WEIGHTS_BLOCK_BYTES)
 
 
-def _compressors(compression: Any) -> list[Any]:
+def compressors_for(compression: Any) -> list[Any]:
     if compression in (None, False):
         codecs: list[Any] = []
     elif compression == "weights":
@@ -186,7 +186,7 @@ class ZarrWriter(StoreWriter):
 
     def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None):
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
-        self._compressors = _compressors(compression)
+        self._compressors = compressors_for(compression)
         with self._creating():
             self._group = zarr.open_group(store=str(self.tmp_path), mode="w-", zarr_format=3)
         self._direct_root: Path | None = self.tmp_path  # None: write through zarr only

@@ -17,7 +17,7 @@ from zarr.storage import FsspecStore
 
 from ..distributed.location import Location, storage_options_for
 from .base import StoreWriter
-from .zarr_store import ZarrWriter, _compressors
+from .zarr_store import ZarrWriter, compressors_for
 
 
 def open_url_store(url: str, storage_options: dict[str, Any] | None = None, *,
@@ -35,7 +35,7 @@ class ZarrURLWriter(ZarrWriter):
                  storage_options: dict[str, Any] | None = None) -> None:
         StoreWriter.__init__(self, url, chunk_bytes=chunk_bytes, compression=compression)
         self.url = url
-        self._compressors = _compressors(compression)
+        self._compressors = compressors_for(compression)
         self._location = Location.create(url, storage_options)  # refuses an existing prefix
         store = open_url_store(url, storage_options, read_only=False)
         self._group = zarr.open_group(store=store, mode="w-", zarr_format=3)
