@@ -3,6 +3,7 @@ bytes stock zarr writes, and stock zarr reads lean_store stores."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import ml_dtypes
@@ -36,7 +37,11 @@ STATE = {
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    files = {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    root_meta = json.loads(files["zarr.json"])  # save_id: unique per save, by design
+    root_meta["attributes"].pop("save_id", None)
+    files["zarr.json"] = json.dumps(root_meta, sort_keys=True).encode()
+    return files
 
 
 def _spec(n: int) -> ArraySpec:
