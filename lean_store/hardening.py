@@ -125,6 +125,7 @@ def hdf5_superblock_offset(path: str | os.PathLike) -> int | None:
 # ------------------------------------------------------------------------------------ JSON
 
 
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')  # deleted before counting
 _BRACKETS = np.zeros(256, np.int8)
 _BRACKETS[[ord("["), ord("{")]] = 1
 _BRACKETS[[ord("]"), ord("}")]] = -1
@@ -138,6 +139,7 @@ def json_depth(raw: str | bytes, block: int = 1 << 22) -> int:
     estimate; the parser that follows reports the error."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
     data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    data = data.translate(None, _NOT_STRUCTURE)  # only quotes and brackets matter
     depth, deepest, quoted = 0, 0, 0
     for at in range(0, len(data), block):
         codes = np.frombuffer(data, np.uint8, min(block, len(data) - at), at)

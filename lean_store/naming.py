@@ -1,14 +1,13 @@
 """How tensor names become HDF5/Zarr node names, reversibly and safely.
 
 Any non-empty name up to 1024 characters whose node name fits in 255 bytes can be stored.
-Characters outside
-``[A-Za-z0-9._-]`` are percent-escaped (UTF-8 bytes, ``%XX``), as is a leading ``.`` or ``_``,
-so a node name never contains ``/``, never is ``.`` or ``..``, never starts with the reserved
-prefixes of HDF5 (``.``) or Zarr (``__``), and the mapping is one to one. Names that differ only
-in case are rejected because they collide on case-insensitive file systems. A node name longer
-than 255 bytes is refused for every backend: a Zarr array is a directory of that name, and file
-systems allow 255 bytes per path component; refusing it for HDF5 too keeps every checkpoint
-convertible between the backends.
+Characters outside ``[A-Za-z0-9._-]`` are percent-escaped (UTF-8 bytes, ``%XX``), as is a
+leading ``.`` or ``_``, so a node name never contains ``/``, never is ``.`` or ``..``, never
+starts with the reserved prefixes of HDF5 (``.``) or Zarr (``__``), and the mapping is one to
+one. Names that differ only in case are rejected because they collide on case-insensitive file
+systems. A node name longer than 255 bytes is refused for every backend: a Zarr array is a
+directory of that name, and file systems allow 255 bytes per path component; refusing it for
+HDF5 too keeps every checkpoint convertible between the backends.
 """
 
 from __future__ import annotations

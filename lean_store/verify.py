@@ -268,7 +268,7 @@ def _skippable_filters(dcpl: Any) -> list[tuple[str, bool]]:
     """(name, may be skipped) for each filter of the pipeline, in order.
 
     HDF5 skips an *optional* filter (``H5Z_FLAG_OPTIONAL``) for a chunk it fails to encode,
-    e.g. LZF or deflate on a chunk they cannot shrink, and records that in the chunk's filter
+    e.g. LZF on a chunk it cannot shrink, and records that in the chunk's filter
     mask; reading then returns the chunk as stored. That is normal, not damage. A mandatory
     filter is never skipped by HDF5, and a checksum (fletcher32) is never worth skipping, so
     a skipped one of those means the chunk was written by something else."""

@@ -132,11 +132,12 @@ def test_not_hdf5_at_any_user_block_offset_says_where_it_looked(tmp_path) -> Non
 # ------------------------------------------------------------------ 8: re-chunked by h5repack
 
 
-def _repacked(tmp_path: Path, layout: str) -> Path:
+def _repacked(tmp_path: Path, layout: str, filters: str | None = None) -> Path:
     h5repack = _tool("h5repack")
     plain, out = tmp_path / "plain.h5", tmp_path / "repacked.h5"
     ls.save(STATE, plain, chunk_bytes=SMALL_CHUNKS)
-    subprocess.run([h5repack, "-l", layout, str(plain), str(out)], check=True)
+    extra = ["-f", filters] if filters else []
+    subprocess.run([h5repack, "-l", layout, *extra, str(plain), str(out)], check=True)
     return out
 
 
@@ -152,6 +153,14 @@ def test_rechunked_file_is_named_as_rechunked_not_corrupt(tmp_path, layout) -> N
     assert "h5repack -l w:CHUNK=16x1000" in message  # what to do
     report = ls.verify(path)
     assert not report.ok and "re-chunked" in str(report)
+
+
+def test_h5repack_keeping_the_chunking_keeps_the_file_readable(tmp_path) -> None:
+    path = _repacked(tmp_path, "w,z:CHUNK=16x1000", "GZIP=4")
+    with h5py.File(path, "r") as f:
+        assert f["w"].compression == "gzip" and f["w"].chunks == (16, 1000)
+    assert ls.verify(path).ok
+    assert ls.load_state(path)["w"].tobytes() == W.tobytes()
 
 
 def test_rechunking_back_as_suggested_restores_a_verified_file(tmp_path) -> None:

@@ -215,9 +215,7 @@ def _entry_format(name: str, value: Any) -> ScalarFormat:
             raise FormatError(f"tensor {name!r}: {exc}") from None
     if isinstance(value, (np.ndarray, Encoded)):
         return _format_of(name, value)
-    raise UnsupportedValueError(
-        f"state entry {name!r} is a {type(value).__name__}, not a tensor"
-    )
+    raise UnsupportedValueError(f"state entry {name!r} is {_a(type(value).__name__)}, not a tensor")
 
 
 class TorchSource(TensorSource):
