@@ -213,7 +213,8 @@ def test_allow_pickle_keeps_the_value_and_the_reader_must_opt_in(tmp_path):
     value = io.BytesIO(b"abc")  # any value torch.save can pickle
     dcp.save({"w": torch.ones(2), "blob": value},
              storage_writer=lsd.StorageWriter(path, allow_pickle=True), no_dist=True)
-    with pytest.raises(CheckpointException, match=r"'blob' was stored pickled.*set allow_pickle to True"):
+    with pytest.raises(CheckpointException,
+                       match=r"'blob' was stored pickled.*set allow_pickle to True"):
         dcp.load({"w": torch.zeros(2), "blob": None}, storage_reader=lsd.StorageReader(path),
                  no_dist=True)
     target = {"w": torch.zeros(2), "blob": None}
@@ -367,6 +368,12 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
     ref3 = {k: v.full_tensor() for k, v in model3.state_dict().items()}  # collective
     if rank == 0:
         torch.save(ref3, out / "ref_hsdp.pt")
+    # the fallback for a torch without compute_local_shape_and_global_offset agrees with it
+    from lean_store.distributed.dtensor_blocks import _plain_block, local_block
+
+    plain = [*model.state_dict().items(), *model3.state_dict().items(),
+             ("2.weight", model2.state_dict()["2.weight"])]
+    rec["fallback_agrees"] = [k for k, v in plain if _plain_block(v) != local_block(k, v)]
     rec["ls_save_hsdp"] = outcome(lambda: ls.save(model3.state_dict(), out / "hsdp.zarr",
                                                   process_group=dist.group.WORLD))
 
@@ -561,6 +568,7 @@ def test_hsdp_replicate_shard_saves_and_loads(worlds):
     out, saved, _loaded = worlds
     assert saved[0]["hsdp_placements"] == "['Replicate', 'Shard']"
     assert all(rec["ls_save_hsdp"] == {"ok": True} for rec in saved)
+    assert all(rec["fallback_agrees"] == [] for rec in saved)
     ref = torch.load(out / "ref_hsdp.pt")
     state = ls.load_state(out / "hsdp.zarr")
     for k, v in state.items():
