@@ -337,6 +337,9 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
     dcp.save(dcp_state(model, opt), storage_writer=lsd.StorageWriter(out / "fsdp.zarr"))
     dcp.async_save(dcp_state(model, opt),
                    storage_writer=lsd.StorageWriter(out / "fsdp.h5")).result()
+    rec["no_collectives"] = outcome(lambda: dcp.save(
+        dcp_state(model, opt), storage_writer=lsd.StorageWriter(out / "nc.zarr"),
+        use_collectives=False))
     ref = full_state(model, opt)
     if rank == 0:
         torch.save(ref, out / "ref1d.pt")
@@ -509,6 +512,14 @@ def test_fsdp2_four_ranks_reshard_to_two_bit_exact(worlds):
         assert rec["fsdp.zarr"] == [] and rec["fsdp.h5"] == []
         assert rec["fsdp.zarr:objects"] == [3, [0.9, 0.999]]
         assert rec["ls_full"] == []
+
+
+def test_without_collectives_the_writer_refuses(worlds):
+    out, saved, _loaded = worlds
+    for rec in saved:
+        assert not rec["no_collectives"]["ok"]
+        assert "use_collectives=True" in rec["no_collectives"]["message"]
+    assert not (out / "nc.zarr").exists()
 
 
 @pytest.mark.parametrize("name", ["fsdp.zarr", "fsdp.h5"])

@@ -134,6 +134,11 @@ class StorageWriter(storage.StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.path is None:
             raise CheckpointError("lean_store.dcp.StorageWriter needs a path (or checkpoint_id)")
+        if not kwargs.get("use_collectives", True) and _world_size() > 1:
+            raise CheckpointError(
+                "lean_store.dcp.StorageWriter needs DCP's collectives (use_collectives=True): "
+                "its coordinator plans the shards of every rank and commits the checkpoint once"
+            )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self._backend = backend_for(self.path, self.backend)
@@ -281,6 +286,12 @@ class StorageWriter(storage.StorageWriter):
             raise
         finally:
             self._location = None
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _path(path: str | os.PathLike) -> str:
