@@ -67,6 +67,7 @@ def sample_state():
         "mask": torch.tensor([True, False, True]),
         "scalar": torch.tensor(2.5),
         "h": torch.randn(3, generator=g).half(),
+        "empty": torch.zeros(0, 3),
     }
 
 
@@ -337,6 +338,12 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
     dcp.save(dcp_state(model, opt), storage_writer=lsd.StorageWriter(out / "fsdp.zarr"))
     dcp.async_save(dcp_state(model, opt),
                    storage_writer=lsd.StorageWriter(out / "fsdp.h5")).result()
+    from torch.distributed.tensor import Shard as _Shard
+    from torch.distributed.tensor import distribute_tensor as _distribute
+
+    uneven = _distribute(torch.arange(9.0).reshape(3, 3), mesh, [_Shard(0)])  # rank 3: 0 rows
+    for suffix in (".zarr", ".h5"):
+        dcp.save({"u": uneven}, storage_writer=lsd.StorageWriter(out / f"uneven{suffix}"))
     rec["no_collectives"] = outcome(lambda: dcp.save(
         dcp_state(model, opt), storage_writer=lsd.StorageWriter(out / "nc.zarr"),
         use_collectives=False))
@@ -512,6 +519,16 @@ def test_fsdp2_four_ranks_reshard_to_two_bit_exact(worlds):
         assert rec["fsdp.zarr"] == [] and rec["fsdp.h5"] == []
         assert rec["fsdp.zarr:objects"] == [3, [0.9, 0.999]]
         assert rec["ls_full"] == []
+
+
+@pytest.mark.parametrize("suffix", [".zarr", ".h5"])
+def test_uneven_shards_with_an_empty_rank(worlds, suffix):
+    out, _saved, _loaded = worlds
+    target = {"u": torch.zeros(3, 3)}
+    dcp.load(target, storage_reader=lsd.StorageReader(out / f"uneven{suffix}"), no_dist=True)
+    assert same(target["u"], torch.arange(9.0).reshape(3, 3))
+    with ls.open(out / f"uneven{suffix}") as ck:
+        assert len(ck._shards["u"]) == 3
 
 
 def test_without_collectives_the_writer_refuses(worlds):

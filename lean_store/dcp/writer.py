@@ -196,6 +196,8 @@ class StorageWriter(storage.StorageWriter):
                     continue
                 i = index[item.index.fqn]
                 box = chunk_box(item.tensor_data.chunk.offsets, item.tensor_data.chunk.sizes)
+                if box.empty:
+                    continue  # an empty local shard (uneven sharding): nothing to write
                 k = [b for b, _ in tensor_plans[i].shards].index(box)
                 task.shard_of[_item_key(item.index)] = (i, k)
             out.append(SavePlan(plan.items, storage_data=task, planner_data=plan.planner_data,
@@ -212,7 +214,7 @@ class StorageWriter(storage.StorageWriter):
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     results.append(self._write_object(item, planner))
-                else:
+                elif _item_key(item.index) in task.shard_of:
                     tensors.append(item)
             if tensors:
                 if task.backend == "zarr":
