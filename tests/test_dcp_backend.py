@@ -67,6 +67,7 @@ def sample_state():
         "mask": torch.tensor([True, False, True]),
         "scalar": torch.tensor(2.5),
         "h": torch.randn(3, generator=g).half(),
+        "empty": torch.zeros(0, 3),
     }
 
 
@@ -213,7 +214,8 @@ def test_allow_pickle_keeps_the_value_and_the_reader_must_opt_in(tmp_path):
     value = io.BytesIO(b"abc")  # any value torch.save can pickle
     dcp.save({"w": torch.ones(2), "blob": value},
              storage_writer=lsd.StorageWriter(path, allow_pickle=True), no_dist=True)
-    with pytest.raises(CheckpointException, match=r"'blob' was stored pickled.*set allow_pickle to True"):
+    with pytest.raises(CheckpointException,
+                       match=r"'blob' was stored pickled.*set allow_pickle to True"):
         dcp.load({"w": torch.zeros(2), "blob": None}, storage_reader=lsd.StorageReader(path),
                  no_dist=True)
     target = {"w": torch.zeros(2), "blob": None}
@@ -336,6 +338,15 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
     dcp.save(dcp_state(model, opt), storage_writer=lsd.StorageWriter(out / "fsdp.zarr"))
     dcp.async_save(dcp_state(model, opt),
                    storage_writer=lsd.StorageWriter(out / "fsdp.h5")).result()
+    from torch.distributed.tensor import Shard as _Shard
+    from torch.distributed.tensor import distribute_tensor as _distribute
+
+    uneven = _distribute(torch.arange(9.0).reshape(3, 3), mesh, [_Shard(0)])  # rank 3: 0 rows
+    for suffix in (".zarr", ".h5"):
+        dcp.save({"u": uneven}, storage_writer=lsd.StorageWriter(out / f"uneven{suffix}"))
+    rec["no_collectives"] = outcome(lambda: dcp.save(
+        dcp_state(model, opt), storage_writer=lsd.StorageWriter(out / "nc.zarr"),
+        use_collectives=False))
     ref = full_state(model, opt)
     if rank == 0:
         torch.save(ref, out / "ref1d.pt")
@@ -367,6 +378,12 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
     ref3 = {k: v.full_tensor() for k, v in model3.state_dict().items()}  # collective
     if rank == 0:
         torch.save(ref3, out / "ref_hsdp.pt")
+    # the fallback for a torch without compute_local_shape_and_global_offset agrees with it
+    from lean_store.distributed.dtensor_blocks import _plain_block, local_block
+
+    plain = [*model.state_dict().items(), *model3.state_dict().items(),
+             ("2.weight", model2.state_dict()["2.weight"])]
+    rec["fallback_agrees"] = [k for k, v in plain if _plain_block(v) != local_block(k, v)]
     rec["ls_save_hsdp"] = outcome(lambda: ls.save(model3.state_dict(), out / "hsdp.zarr",
                                                   process_group=dist.group.WORLD))
 
@@ -504,6 +521,24 @@ def test_fsdp2_four_ranks_reshard_to_two_bit_exact(worlds):
         assert rec["ls_full"] == []
 
 
+@pytest.mark.parametrize("suffix", [".zarr", ".h5"])
+def test_uneven_shards_with_an_empty_rank(worlds, suffix):
+    out, _saved, _loaded = worlds
+    target = {"u": torch.zeros(3, 3)}
+    dcp.load(target, storage_reader=lsd.StorageReader(out / f"uneven{suffix}"), no_dist=True)
+    assert same(target["u"], torch.arange(9.0).reshape(3, 3))
+    with ls.open(out / f"uneven{suffix}") as ck:
+        assert len(ck._shards["u"]) == 3
+
+
+def test_without_collectives_the_writer_refuses(worlds):
+    out, saved, _loaded = worlds
+    for rec in saved:
+        assert not rec["no_collectives"]["ok"]
+        assert "use_collectives=True" in rec["no_collectives"]["message"]
+    assert not (out / "nc.zarr").exists()
+
+
 @pytest.mark.parametrize("name", ["fsdp.zarr", "fsdp.h5"])
 def test_fsdp2_checkpoint_loads_in_one_process(worlds, name):
     out, _saved, _loaded = worlds
@@ -561,6 +596,7 @@ def test_hsdp_replicate_shard_saves_and_loads(worlds):
     out, saved, _loaded = worlds
     assert saved[0]["hsdp_placements"] == "['Replicate', 'Shard']"
     assert all(rec["ls_save_hsdp"] == {"ok": True} for rec in saved)
+    assert all(rec["fallback_agrees"] == [] for rec in saved)
     ref = torch.load(out / "ref_hsdp.pt")
     state = ls.load_state(out / "hsdp.zarr")
     for k, v in state.items():

@@ -134,6 +134,11 @@ class StorageWriter(storage.StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.path is None:
             raise CheckpointError("lean_store.dcp.StorageWriter needs a path (or checkpoint_id)")
+        if not kwargs.get("use_collectives", True) and _world_size() > 1:
+            raise CheckpointError(
+                "lean_store.dcp.StorageWriter needs DCP's collectives (use_collectives=True): "
+                "its coordinator plans the shards of every rank and commits the checkpoint once"
+            )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self._backend = backend_for(self.path, self.backend)
@@ -191,6 +196,8 @@ class StorageWriter(storage.StorageWriter):
                     continue
                 i = index[item.index.fqn]
                 box = chunk_box(item.tensor_data.chunk.offsets, item.tensor_data.chunk.sizes)
+                if box.empty:
+                    continue  # an empty local shard (uneven sharding): nothing to write
                 k = [b for b, _ in tensor_plans[i].shards].index(box)
                 task.shard_of[_item_key(item.index)] = (i, k)
             out.append(SavePlan(plan.items, storage_data=task, planner_data=plan.planner_data,
@@ -207,7 +214,7 @@ class StorageWriter(storage.StorageWriter):
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     results.append(self._write_object(item, planner))
-                else:
+                elif _item_key(item.index) in task.shard_of:
                     tensors.append(item)
             if tensors:
                 if task.backend == "zarr":
@@ -281,6 +288,12 @@ class StorageWriter(storage.StorageWriter):
             raise
         finally:
             self._location = None
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _path(path: str | os.PathLike) -> str:
