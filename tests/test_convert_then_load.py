@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -56,6 +57,17 @@ def test_convert_then_load_matches_by_name(tmp_path: Path, suffix: str) -> None:
     state = ls.load_state(dst, like=model())
     assert list(state) == list(want)  # in like's order
     same_bits(state, want)
+
+
+def test_numpy_dict_target_matches_by_name(tmp_path: Path) -> None:
+    src, dst = tmp_path / "model.safetensors", tmp_path / "model.zarr"
+    want = {k: v.numpy() for k, v in model().state_dict().items()}
+    save_file(model().state_dict(), src)
+    cli_main(["convert", str(src), str(dst)])
+    target = {k: np.zeros_like(v) for k, v in want.items()}
+    ls.load(target, dst)
+    for name, value in want.items():
+        assert target[name].tobytes() == value.tobytes(), name
 
 
 def test_strict_order_still_refuses_another_order(tmp_path: Path) -> None:

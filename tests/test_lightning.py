@@ -17,6 +17,26 @@ import lean_store as ls
 from lean_store.lightning import CheckpointIO
 
 
+@pytest.fixture(autouse=True)
+def restore_torch_globals(monkeypatch):
+    """``Trainer(deterministic=True)`` switches torch's deterministic mode on for the whole
+    process (and sets CUBLAS_WORKSPACE_CONFIG); put everything back for the other tests."""
+    import os
+
+    mode = (torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled())
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    if "CUBLAS_WORKSPACE_CONFIG" in os.environ:  # monkeypatch restores it (or its absence)
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ["CUBLAS_WORKSPACE_CONFIG"])
+    else:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    yield
+    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+
+
 class Tiny(pl.LightningModule):
     def __init__(self, seed: int) -> None:
         super().__init__()

@@ -75,9 +75,9 @@ def dimension_names(entry: Entry) -> tuple[str, ...]:
 
 
 def mark_complete(group: zarr.Group) -> None:
-    """The last write of a store: the root ``zarr.json`` with every array's metadata
-    consolidated into it (one read opens the store, as ``zarr.consolidate_metadata`` writes it)
-    and ``complete`` set, in one write. Every array's metadata must be final before this."""
+    """Consolidate every array's metadata into the root ``zarr.json`` (one read then opens the
+    store; as ``zarr.consolidate_metadata`` writes it), then set ``complete``: the last write of
+    a store is the root document carrying both. Every array's metadata must be final before."""
     with warnings.catch_warnings():  # "consolidated metadata is not part of the v3 spec"
         warnings.simplefilter("ignore", ZarrUserWarning)
         consolidated = zarr.consolidate_metadata(group.store, path=group.path, zarr_format=3)
