@@ -26,6 +26,7 @@ storage, which lean_store refuses to read for safety, so incremental steps are Z
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from collections.abc import Iterator
@@ -149,6 +150,26 @@ class UnitLinker:
         self.stats.written_bytes += size
 
 
+def _libc_memcmp() -> Any:
+    try:
+        memcmp = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError):  # pragma: no cover - platforms without a C library
+        return None
+    memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    memcmp.restype = ctypes.c_int
+    return memcmp
+
+
+_MEMCMP = _libc_memcmp()
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Two contiguous uint8 arrays of one size hold the same bytes (memcmp: no temporary)."""
+    if _MEMCMP is None:  # pragma: no cover
+        return bool(np.array_equal(a, b))
+    return _MEMCMP(a.ctypes.data, b.ctypes.data, a.size) == 0
+
+
 def _same_bytes(base: Path, views: list[memoryview], size: int) -> bool:
     """True when the file ``base`` holds exactly ``views`` concatenated. The CRC-32C words
     (pieces of 4 bytes: each chunk's crc32c, the shard index's) are compared first, so a
@@ -176,7 +197,7 @@ def _same_bytes(base: Path, views: list[memoryview], size: int) -> bool:
             for start in range(0, want.size, buf.size):
                 part = want[start: start + buf.size]
                 got = os.preadv(fd, [buf[: part.size]], offset + start)
-                if got != part.size or not np.array_equal(buf[: part.size], part):
+                if got != part.size or not _equal(buf[: part.size], part):
                     return False
         return True
     except OSError:
