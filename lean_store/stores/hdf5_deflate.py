@@ -4,9 +4,10 @@ HDF5 runs its filter pipeline in the calling thread, one chunk at a time, under 
 deflate (~50 MB/s per core here) is then the whole cost of a compressed save. For datasets whose
 filters are exactly shuffle, deflate and optionally Fletcher-32 (``compression="weights"`` or
 ``"gzip"`` without N-bit packing), :class:`DeflateChunks` produces each chunk's stored bytes
-itself, as HDF5 would: the bytes of the full chunk grouped by the datatype size (HDF5's shuffle:
-byte ``j`` of element ``i`` goes to ``j * n + i``), a zlib stream of them (HDF5's deflate
-filter calls zlib's ``compress2``), then Fletcher-32 as HDF5 appends it. The deflate runs in a
+itself, in the format HDF5's filters read: the bytes of the full chunk grouped by the datatype
+size (HDF5's shuffle: byte ``j`` of element ``i`` goes to ``j * n + i``), a zlib stream of
+them (what HDF5's deflate filter inflates; each byte plane deflated, or stored when it does not
+compress, see :func:`deflate_planes`), then Fletcher-32 as HDF5 appends it. The deflate runs in a
 small thread pool (zlib releases the GIL); chunks go into the file in order, with
 ``H5Dwrite_chunk`` and filter mask 0 (every filter applied), from the writing thread. HDF5 and
 every HDF5 tool read them through their own pipeline; ``tests/test_compression_weights.py``
@@ -35,8 +36,33 @@ def shuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
     return np.ascontiguousarray(data.reshape(-1, itemsize).T).reshape(-1)
 
 
-def _encode(shuffled: np.ndarray, level: int, fletcher32: bool) -> bytes | np.ndarray:
-    packed = zlib.compress(shuffled, level)
+_SAMPLE = 1 << 16  # bytes of a byte plane deflated to decide whether the plane compresses
+_STORE_ABOVE = 0.95  # a sample deflating to more than this fraction is stored, not deflated
+_ZLIB_HEADER = b"\x78\x01"  # deflate, 32 KiB window, no preset dictionary, check bits valid
+
+
+def deflate_planes(shuffled: np.ndarray, itemsize: int, level: int) -> bytes:
+    """One zlib stream (what HDF5's deflate filter reads: header, deflate blocks, Adler-32)
+    of a shuffled chunk, each byte plane deflated at ``level`` or, when a sample of it does
+    not compress (the low mantissa bytes of trained weights are close to random), emitted as
+    stored blocks at copy speed: ZipNN's split of exponents from mantissas, in plain deflate.
+    Planes are separate raw deflate streams joined at sync-flush points, the last one final."""
+    planes = shuffled.reshape(max(1, itemsize), -1)
+    out = [_ZLIB_HEADER]
+    for j, plane in enumerate(planes):
+        sample = plane[:_SAMPLE]
+        plane_level = level if len(zlib.compress(sample, level)) < _STORE_ABOVE * max(
+            1, sample.size) else 0
+        stream = zlib.compressobj(plane_level, zlib.DEFLATED, -15)
+        out.append(stream.compress(plane))
+        out.append(stream.flush(zlib.Z_FINISH if j == len(planes) - 1 else zlib.Z_SYNC_FLUSH))
+    out.append(zlib.adler32(shuffled).to_bytes(4, "big"))
+    return b"".join(out)
+
+
+def _encode(shuffled: np.ndarray, itemsize: int, level: int, fletcher32: bool
+            ) -> bytes | np.ndarray:
+    packed = deflate_planes(shuffled, itemsize, level)
     return _FLETCHER32.encode(packed) if fletcher32 else packed
 
 
@@ -59,7 +85,8 @@ class DeflateChunks:
         if shuffled is chunk:
             shuffled = chunk.copy()
         self._pending.append(
-            (offset, self._pool.submit(_encode, shuffled, self._level, self._fletcher32)))
+            (offset, self._pool.submit(_encode, shuffled, self._itemsize, self._level,
+                                       self._fletcher32)))
         while self._pending and (len(self._pending) > MAX_PENDING or self._pending[0][1].done()):
             self._write_oldest()
 
@@ -78,4 +105,4 @@ class DeflateChunks:
         self._pending.clear()
 
 
-__all__ = ["DeflateChunks", "shuffle"]
+__all__ = ["DeflateChunks", "deflate_planes", "shuffle"]
