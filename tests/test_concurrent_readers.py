@@ -17,6 +17,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from torch_optional import require_torch
 
 import lean_store as ls
 import lean_store.checkpoint as checkpoint_mod
@@ -342,7 +343,7 @@ dist.destroy_process_group()
 def sharded_pairs(tmp_path_factory) -> Path:
     """Generations 1 and 2 of a sharded checkpoint per backend (``run`` and ``fresh``), saved
     by a one-rank torch.distributed world in a child process."""
-    pytest.importorskip("torch.distributed", reason="sharded saves need torch.distributed")
+    require_torch()  # sharded saves need torch.distributed
     where = tmp_path_factory.mktemp("sharded")
     paths = []
     for suffix in SUFFIX.values():

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import save_file
+from torch_optional import require_torch
 
 import lean_store as ls
 from lean_store.cli import main as cli_main
+
+torch = require_torch()
+from safetensors.torch import save_file  # noqa: E402 (needs torch)
 
 
 def model() -> torch.nn.Module:

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from torch_optional import require_torch
 
-torch = pytest.importorskip("torch")
+torch = require_torch()
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402

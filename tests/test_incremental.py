@@ -17,12 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import zarr
+from torch_optional import require_torch
 
 import lean_store as ls
 from lean_store.errors import CheckpointError
 from lean_store.naming import node_name
+
+torch = require_torch()  # Checkpointer steps hold a torch model
 
 ROOT = Path(__file__).resolve().parents[1]
 

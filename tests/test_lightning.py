@@ -8,13 +8,15 @@ import math
 from pathlib import Path
 
 import h5py
-import lightning.pytorch as pl
 import numpy as np
 import pytest
-import torch
+from torch_optional import require_torch
 
-import lean_store as ls
-from lean_store.lightning import CheckpointIO
+torch = require_torch()  # lightning needs torch
+import lightning.pytorch as pl  # noqa: E402
+
+import lean_store as ls  # noqa: E402
+from lean_store.lightning import CheckpointIO  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ from urllib.parse import unquote
 
 import numpy as np
 import pytest
+from torch_optional import needs_torch
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
@@ -242,6 +243,7 @@ def test_a_failed_save_removes_its_prefix_and_overwriting_is_refused(env) -> Non
     same(ls.load_state(url), ok)
 
 
+@needs_torch
 def test_two_ranks_save_shards_into_one_bucket(env, s3, tmp_path) -> None:
     import lean_store as ls
 
@@ -272,6 +274,7 @@ def test_two_ranks_save_shards_into_one_bucket(env, s3, tmp_path) -> None:
     assert ls.verify(url).ok
 
 
+@needs_torch
 def test_lightning_checkpoints_on_s3(env) -> None:
     import torch
 
