@@ -21,8 +21,12 @@ from typing import Any
 import google_crc32c
 import numpy as np
 import zarr
+import zarr.errors
 import zarr.storage
 from zarr.codecs import Crc32cCodec
+
+ZarrUserWarning: type[Warning] = getattr(zarr.errors, "ZarrUserWarning", UserWarning)
+"""zarr's own warning class (zarr >= 3.1.x; plain ``UserWarning`` before it existed)."""
 
 # --------------------------------------------------------------------------- metadata (spec)
 

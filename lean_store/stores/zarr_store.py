@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
-from zarr.errors import ZarrUserWarning
 
 from ..chunking import Region, grow_chunks, plan_chunks
 from ..errors import CheckpointError, CheckpointReplacedError, IntegrityError, UnsafeFileError
@@ -37,7 +36,7 @@ from ..hardening import (
 from ..incremental import linker_for
 from ..layout import Entry
 from ..replacement import PinnedRoot, SaveIdWatch, check_unchanged
-from ..zarr_compat import crc32c_codec, local_root
+from ..zarr_compat import ZarrUserWarning, crc32c_codec, local_root
 from ..zarr_direct import DirectWriter, direct_ok
 from ..zarr_direct_read import DirectReader, direct_read_ok
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
