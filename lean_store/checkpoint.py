@@ -688,7 +688,7 @@ def load(
         from .distributed.sharded_load import load as sharded_load
 
         return sharded_load(target, path, process_group=process_group, strict=strict,
-                            verify=verify)
+                            verify=verify, strict_order=strict_order)
     casts = _casts(cast)
     targets = tensor_targets(target)
     target_layout = Layout.from_specs(

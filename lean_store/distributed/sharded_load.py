@@ -65,8 +65,10 @@ def load(
     strict: bool = True,
     verify: bool = True,
     block_bytes: int = DEFAULT_CHUNK_BYTES,
+    strict_order: bool = False,
 ) -> Any:
-    """Load into this rank's shards of ``target`` (all ranks of the group must call this)."""
+    """Load into this rank's shards of ``target`` (all ranks of the group must call this);
+    tensors match by name, and ``strict_order=True`` also requires ``target``'s order."""
     from ..checkpoint import Checkpoint, LoadResult, warn_skipped
 
     comm = Collective(process_group)
@@ -81,7 +83,7 @@ def load(
             expected = layout_of(pieces)
             ck = Checkpoint(path)
             ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
-                            order_matters=strict)
+                            order_matters=strict_order)
             names = [n for n in expected.names() if n in ck.layout]
             result = LoadResult(
                 missing=[n for n in expected.names() if n not in ck.layout],
