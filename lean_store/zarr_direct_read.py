@@ -63,26 +63,27 @@ class DirectReader:
              out: np.ndarray) -> None:
         """Fill the C-contiguous ``out`` (``count`` elements over the stored rank, raw bytes
         of the array's items) with the selection ``start/count/step``."""
-        dst_all = out.view(np.uint8).reshape(count + (self._itemsize,))
+        # items as opaque void scalars: no extra axis, so rank-32 tensors stay within numpy 1's
+        # 32-dimension limit
+        item = np.dtype((np.void, self._itemsize))
+        flat = out.reshape(-1).view(np.uint8)
+        dst_all = flat.view(item).reshape(count)
         scratch: np.ndarray | None = None
         for coords in touched_cells(start, count, step, self._chunks, self._shape):
             cstart = tuple(i * c for i, c in zip(coords, self._chunks))
             ccount = tuple(min(c, d - a) for a, c, d in zip(cstart, self._chunks, self._shape))
             if cstart == start and ccount == count and all(s == 1 for s in step) \
                     and self._is_prefix(ccount):
-                self._read_chunk(coords, dst_all.reshape(-1))
+                self._read_chunk(coords, flat)
                 continue
             if scratch is None:
                 scratch = np.empty(self._chunk_nbytes, np.uint8)
             self._read_chunk(coords, scratch)
-            chunk = scratch[: math.prod(ccount) * self._itemsize] if self._is_prefix(ccount) \
-                else None
-            if chunk is None:  # clipped on an axis other than the first split one
-                chunk = scratch.reshape(self._chunks + (self._itemsize,))[
-                    tuple(slice(0, n) for n in ccount)
-                ]
-            else:
-                chunk = chunk.reshape(ccount + (self._itemsize,))
+            items = scratch.view(item)
+            if self._is_prefix(ccount):
+                chunk = items[: math.prod(ccount)].reshape(ccount)
+            else:  # clipped on an axis other than the first split one
+                chunk = items.reshape(self._chunks)[tuple(slice(0, n) for n in ccount)]
             dst, src = [], []
             for a, n, st, ca, cn in zip(start, count, step, cstart, ccount):
                 k0 = max(0, -(-(ca - a) // st))
