@@ -4,7 +4,7 @@
 * JSON state with raw storage words (:func:`read_state_json`, :func:`write_state_json`);
 * ``TLADAMF`` -- Adam/AdamW optimizer state, versions 2-4 (:func:`read_adam`, :func:`write_adam`).
 
-The byte-level specification is section 4 of ``docs/FORMAT.md``. Every value is carried as its
+The byte-level specification is ``docs/TORCHLEAN.md``. Every value is carried as its
 storage bits and never passes through a Python float, so NaN payloads, signed zeros and subnormals
 survive.
 
