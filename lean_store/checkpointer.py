@@ -216,7 +216,7 @@ class Checkpointer:
 
     def clean_incomplete(self) -> list[Path]:
         """Remove temporaries left by interrupted saves and deletions; return what went."""
-        removed = []
+        removed: list[Path] = []
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:

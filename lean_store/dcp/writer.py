@@ -20,6 +20,7 @@ The result is an ordinary lean_store sharded checkpoint: ``ls.open``, ``ls.load_
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import uuid
@@ -29,7 +30,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import storage
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.futures import Future
 
 from ..checkpoint import backend_for
@@ -162,7 +169,7 @@ class StorageWriter(storage.StorageWriter):
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     continue
-                data = item.tensor_data
+                data = _tensor_data(item)
                 key = item.index.fqn
                 shape = tuple(int(d) for d in data.size)
                 spec = (shape, format_of_dtype(data.properties.dtype))
@@ -195,7 +202,8 @@ class StorageWriter(storage.StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     continue
                 i = index[item.index.fqn]
-                box = chunk_box(item.tensor_data.chunk.offsets, item.tensor_data.chunk.sizes)
+                chunk = _tensor_data(item).chunk
+                box = chunk_box(chunk.offsets, chunk.sizes)
                 if box.empty:
                     continue  # an empty local shard (uneven sharding): nothing to write
                 k = [b for b, _ in tensor_plans[i].shards].index(box)
@@ -242,6 +250,9 @@ class StorageWriter(storage.StorageWriter):
             value = lookup(item.index)
         else:
             buf = planner.resolve_data(item)
+            if not isinstance(buf, io.BytesIO):
+                raise CheckpointError(f"object {key!r}: the planner resolved it to a "
+                                      f"{type(buf).__name__}, not bytes")
             pickled = buf.getvalue()
             buf.seek(0)
             value = torch.load(buf, weights_only=True)
@@ -302,6 +313,13 @@ def _path(path: str | os.PathLike) -> str:
 
 def _item_key(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
     return index.fqn, tuple(int(o) for o in (index.offset or ()))
+
+
+def _tensor_data(item: WriteItem) -> TensorWriteData:
+    """The tensor part of a write item (torch gives one with every item that is not bytes)."""
+    if item.tensor_data is None:
+        raise CheckpointError(f"tensor {item.index.fqn!r}: the save plan gives no tensor data")
+    return item.tensor_data
 
 
 def _saved_bytes(data: Any) -> bytes:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import CheckpointError, SaveIOError
 from ..stores.base import fsync_tree, remove_path, replace_atomically
@@ -21,7 +21,7 @@ from ..stores.target import check_replaceable
 STORAGE_OPTIONS = {"auto_mkdir": True}
 
 
-def is_url(path: Any) -> bool:
+def is_url(path: Any) -> TypeGuard[str]:
     return isinstance(path, str) and "://" in path
 
 

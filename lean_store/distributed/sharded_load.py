@@ -36,7 +36,7 @@ def _stored_boxes(ck: Any, name: str) -> list[Box]:
 
 
 def _verify_units(ck: Any, names: list[str]) -> list[tuple[str, int]]:
-    units = []
+    units: list[tuple[str, int]] = []
     for name in names:
         shards = ck._shards.get(name)
         units.extend((name, k) for k in range(len(shards))) if shards else units.append((name, -1))

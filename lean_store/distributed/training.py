@@ -39,6 +39,7 @@ def _stack(value: Any, rank: int, world: int) -> LocalShard:
     import numpy as np
     import torch
 
+    row: torch.Tensor | np.ndarray
     if isinstance(value, torch.Tensor):
         row = value.detach().reshape((1, *value.shape))
     else:

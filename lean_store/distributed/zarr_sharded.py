@@ -9,7 +9,7 @@ then a read-modify-write of the chunks it touches), which is slower but never lo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zarr
 
@@ -29,7 +29,10 @@ from .location import is_url, storage_options_for
 from .plan import TensorPlan
 from .shard_spec import ChunkPlan, aligned_chunks
 
-CONFIG = {"write_empty_chunks": True}
+if TYPE_CHECKING:
+    from zarr.core.array_spec import ArrayConfigParams
+
+CONFIG: ArrayConfigParams = {"write_empty_chunks": True}
 
 
 def chunk_plan(plan: TensorPlan, chunk_bytes: int, *, always_aligned: bool = False) -> ChunkPlan:

@@ -193,7 +193,7 @@ class _Reader:
             )
 
 
-def _u64(value: int, what: str) -> bytes:
+def _u64(value: object, what: str) -> bytes:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise FormatError(f"{what} must be an integer, got {type(value).__name__}")
     if not 0 <= int(value) < _U64_LIMIT:

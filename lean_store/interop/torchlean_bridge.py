@@ -211,7 +211,8 @@ def adam_from(layout: Layout, read_words: Any, root_attrs: dict[str, Any]) -> TL
             entries.append(TLAdamEntry(pid, scalar(entry.name, "uint64"), m, v))
     return TLAdamFile(
         version=version, kind=kind, beta1=floats[0], beta2=floats[1], eps=floats[2],
-        weight_decay=floats[3], hyper_bits=bits, random_counter=counter, params=params,
+        weight_decay=floats[3], hyper_bits=(bits[0], bits[1], bits[2], bits[3]),
+        random_counter=counter, params=params,
         entries=entries,
     )
 

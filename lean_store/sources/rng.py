@@ -9,6 +9,7 @@ the real generators.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -127,7 +128,7 @@ def prepare(meta: Any, lookup: Callable[[str, str], Any], generators: Mapping[st
         if "numpy" in meta:
             state = decode(meta["numpy"], lookup, "numpy RNG")
             check_generator_state(np.random.RandomState(), state, "numpy RNG")
-            installers.append(lambda s=state: np.random.set_state(s))
+            installers.append(functools.partial(np.random.set_state, state))
         else:
             lost.append("numpy RNG")
         if "python" in meta:
@@ -136,7 +137,7 @@ def prepare(meta: Any, lookup: Callable[[str, str], Any], generators: Mapping[st
                 random.Random().setstate(state)
             except (TypeError, ValueError) as exc:
                 raise IntegrityError(f"python RNG: unusable state ({exc})") from None
-            installers.append(lambda s=state: random.setstate(s))
+            installers.append(functools.partial(random.setstate, state))
         else:
             lost.append("python RNG")
 
