@@ -9,7 +9,6 @@ the data is written in place under a new prefix and the root ``zarr.json`` carry
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -98,11 +97,3 @@ def storage_options_for(url: str, given: dict[str, Any] | None = None) -> dict[s
     if given is not None:
         return dict(given)
     return dict(STORAGE_OPTIONS) if url.startswith(("file:", "local:")) else {}
-
-
-def fsync_file(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -32,7 +32,6 @@ from .torchlean import (
     TLAdamParam,
     TLState,
     decode_state_json,
-    encode_state_json,
     parse_tag,
     read_adam,
     read_sf32,
@@ -129,11 +128,6 @@ def state_json_of(layout: Layout, read_words: Any) -> TLState:
         pair = (2,) if entry.format.words_per_value == 2 else ()
         tensors.append(words.reshape(entry.shape + pair))
     return TLState(tag, tensors)
-
-
-def export_json(layout: Layout, read_words: Any) -> bytes:
-    """The exact JSON text of every tensor (TorchLean's ``Checkpoint.State`` JSON)."""
-    return encode_state_json(state_json_of(layout, read_words))
 
 
 def write_sf32_from(layout: Layout, read_words: Any, path: str | os.PathLike) -> None:
@@ -240,7 +234,7 @@ def sniff(path: str | os.PathLike) -> str | None:
 
 
 __all__ = [
-    "ADAM_ATTR", "adam_from", "adam_state", "export_json", "format_of_tag", "json_unrepresentable",
+    "ADAM_ATTR", "adam_from", "adam_state", "format_of_tag", "json_unrepresentable",
     "read_adam", "sf32_unrepresentable", "sniff", "state_from_json", "state_from_sf32",
     "state_json_of", "tag_of_format", "write_adam_from", "write_sf32_from",
 ]
