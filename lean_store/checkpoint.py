@@ -821,9 +821,9 @@ def _state_of(
 def _devices_of(like: Any) -> dict[str, Any]:
     if isinstance(like, Layout):
         return {}
-    from .sources import _is_torch
+    from .sources import is_torch_state
 
-    if not _is_torch(like):
+    if not is_torch_state(like):
         return {}
     from .sources.torch_source import state_dict_of
 

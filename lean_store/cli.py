@@ -60,10 +60,11 @@ def _print_json(obj: Any) -> None:
 def _size(nbytes: int | None) -> str:
     if nbytes is None:
         return "-"
+    size = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024  # type: ignore[assignment]
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
     return "-"  # pragma: no cover
 
 
@@ -285,9 +286,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     else:
         _check_target(args.output, args.force)
-        from .interop.torchlean import _atomic_write
+        from .interop.torchlean import atomic_write
 
-        _atomic_write(args.output, [text])
+        atomic_write(args.output, [text])
     return EXIT_OK
 
 

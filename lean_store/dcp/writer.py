@@ -98,7 +98,7 @@ class StorageWriter(storage.StorageWriter):
                  chunk_bytes: int | None = None, compression: Any = None,
                  allow_pickle: bool = False) -> None:
         super().__init__()
-        self.path = None if path is None else _path(path)
+        self.path = None if path is None else path_string(path)
         self.backend = backend
         self.chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
         if self.chunk_bytes < MIN_CHUNK_BYTES:
@@ -117,7 +117,7 @@ class StorageWriter(storage.StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = _path(checkpoint_id)
+            self.path = path_string(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._location = None
         self._layout = None
@@ -126,7 +126,7 @@ class StorageWriter(storage.StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
-            backend_for(_path(checkpoint_id))
+            backend_for(path_string(checkpoint_id))
         except CheckpointError:
             return False
         return True
@@ -307,7 +307,7 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _path(path: str | os.PathLike) -> str:
+def path_string(path: str | os.PathLike) -> str:
     return path if is_url(path) else os.fspath(path)
 
 
