@@ -180,9 +180,9 @@ def snapshot_of(obj: Any, mode: str) -> Any:
         raise CheckpointError(f"unknown snapshot {mode!r}; use one of {SNAPSHOTS}")
     if mode == "none":
         return obj
-    from .sources import _is_torch
+    from .sources import is_torch_state
 
-    if _is_torch(obj):
+    if is_torch_state(obj):
         from .sources.torch_source import snapshot_state
 
         return snapshot_state(obj, mode)

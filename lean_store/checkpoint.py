@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -493,7 +493,7 @@ class Checkpoint(Mapping[str, TensorHandle]):
 
     def _iter_checked_ahead(
         self, entry: Entry, node: str, table: np.ndarray, out: np.ndarray | None, reuse: bool
-    ) -> Iterator[tuple[Any, np.ndarray]]:
+    ) -> Generator[tuple[Any, np.ndarray], None, int]:
         """Chunk by chunk, each checked against the CRC table in a worker thread while the next
         chunk is read (crc32c releases the GIL); a chunk is yielded only once checked. With
         ``reuse``, two scratch buffers alternate. Returns the digest derived from the table."""
@@ -821,9 +821,9 @@ def _state_of(
 def _devices_of(like: Any) -> dict[str, Any]:
     if isinstance(like, Layout):
         return {}
-    from .sources import _is_torch
+    from .sources import is_torch_state
 
-    if not _is_torch(like):
+    if not is_torch_state(like):
         return {}
     from .sources.torch_source import state_dict_of
 

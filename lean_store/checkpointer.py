@@ -149,9 +149,9 @@ class Checkpointer:
 
     def _comm(self, model: Any, optimizer: Any) -> Any:
         """The collective of a sharded run, or None for a single process."""
-        from .training import _sharded
+        from .training import is_sharded_training
 
-        if not _sharded(model, model, optimizer, self.process_group):
+        if not is_sharded_training(model, model, optimizer, self.process_group):
             return None
         from .distributed.collective import Collective
 
@@ -159,16 +159,16 @@ class Checkpointer:
 
     def _on_rank0(self, comm: Any, work: Any) -> Any:
         """Run ``work()`` on rank 0 only; every rank gets its result or raises its error."""
-        from .distributed.sharded_save import _agree
+        from .distributed.sharded_save import agree
 
         error: BaseException | None = None
         result = None
         if comm.rank == 0:
             try:
                 result = work()
-            except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
                 error = exc
-        return _agree(comm, error, result)[0]
+        return agree(comm, error, result)[0]
 
     def _save_sharded(self, comm: Any, step: int, *, model: Any, overwrite: bool,
                       **kwargs: Any) -> Path:
@@ -216,7 +216,7 @@ class Checkpointer:
 
     def clean_incomplete(self) -> list[Path]:
         """Remove temporaries left by interrupted saves and deletions; return what went."""
-        removed = []
+        removed: list[Path] = []
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:

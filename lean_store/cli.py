@@ -60,10 +60,11 @@ def _print_json(obj: Any) -> None:
 def _size(nbytes: int | None) -> str:
     if nbytes is None:
         return "-"
+    size = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024  # type: ignore[assignment]
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
     return "-"  # pragma: no cover
 
 
@@ -121,7 +122,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from . import checkpoint
 
     with checkpoint.open(args.checkpoint) as ck:
-        rows = []
+        rows: list[dict[str, Any]] = []
         for entry in ck.layout:
             handle = ck[entry.name]
             rows.append({
@@ -188,25 +189,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
             check_checkpoint_path(args.checkpoint)
         except CheckpointError as exc:
             raise UsageError(str(exc)) from None
-    try:
-        from .verify import verify
-    except ImportError:  # pragma: no cover - the per-chunk verifier ships with lean_store
-        verify = None
-    if verify is not None:
-        report = verify(args.checkpoint)
-        problems = [
-            {"tensor": p.tensor, "chunk": list(p.chunk) if p.chunk is not None else None,
-             "message": p.message}
-            for p in report.problems
-        ]
-        summary = f"{report.tensors} tensors, {report.chunks} chunks, {_size(report.nbytes)}"
-    else:  # pragma: no cover
-        from . import checkpoint
+    from .verify import verify
 
-        problems = []
-        with checkpoint.open(args.checkpoint) as ck:
-            ck.verify()
-            summary = f"{len(ck)} tensors"
+    report = verify(args.checkpoint)
+    problems = [
+        {"tensor": p.tensor, "chunk": list(p.chunk) if p.chunk is not None else None,
+         "message": p.message}
+        for p in report.problems
+    ]
+    summary = f"{report.tensors} tensors, {report.chunks} chunks, {_size(report.nbytes)}"
     ok = not problems
     if args.json:
         _print_json({"path": str(args.checkpoint), "ok": ok, "problems": problems})
@@ -295,9 +286,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     else:
         _check_target(args.output, args.force)
-        from .interop.torchlean import _atomic_write
+        from .interop.torchlean import atomic_write
 
-        _atomic_write(args.output, [text])
+        atomic_write(args.output, [text])
     return EXIT_OK
 
 

@@ -138,7 +138,7 @@ class UnitLinker:
         base = self._base_file(key)
         if base is not None and size >= _CRC_BYTES:
             data = np.fromfile(path, dtype=np.uint8)
-            views = [memoryview(data[: size - _CRC_BYTES]), memoryview(data[size - _CRC_BYTES:])]
+            views = [data[: size - _CRC_BYTES].data, data[size - _CRC_BYTES:].data]
             if _same_bytes(base, views, size):
                 tmp = path.with_name(f".{path.name}.link")
                 os.link(base, tmp)
@@ -196,7 +196,7 @@ def _same_bytes(base: Path, views: list[memoryview], size: int) -> bool:
             want = np.frombuffer(view, np.uint8)
             for start in range(0, want.size, buf.size):
                 part = want[start: start + buf.size]
-                got = os.preadv(fd, [buf[: part.size]], offset + start)
+                got = os.preadv(fd, [buf[: part.size]], offset + start)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
                 if got != part.size or not _equal(buf[: part.size], part):
                     return False
         return True

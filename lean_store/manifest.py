@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import uuid
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -217,10 +216,6 @@ def _check_tensor(reader: StoreReader, entry: Entry, info: StoredTensor) -> list
     elif crc is not None and not valid_crc:
         problems.append(f"tensor {name!r}: malformed crc32c attribute {crc!r}")
     return problems
-
-
-def warn_legacy(where: str, what: str) -> None:
-    warnings.warn(f"{where}: {what}", stacklevel=3)
 
 
 __all__ = ["check_stored", "parse_root", "root_attrs", "tensor_attrs", "get"]

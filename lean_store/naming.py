@@ -36,20 +36,6 @@ def node_name(name: str) -> str:
     return "".join(out)
 
 
-def tensor_name(node: str) -> str:
-    """Inverse of :func:`node_name`."""
-    raw = bytearray()
-    i = 0
-    while i < len(node):
-        if node[i] == "%":
-            raw.append(int(node[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            raw.extend(node[i].encode("ascii"))
-            i += 1
-    return raw.decode("utf-8", "surrogatepass")
-
-
 def check_names(names: Iterable[str]) -> None:
     """Reject empty, over-long, duplicate and case-colliding names, all in one error."""
     seen: dict[str, str] = {}

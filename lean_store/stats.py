@@ -11,7 +11,6 @@ mean).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -159,12 +158,4 @@ def tensor_stats(
     return acc.finish()
 
 
-def iter_stats(
-    ck: Checkpoint, *, block_bytes: int = DEFAULT_BLOCK_BYTES, progress: Any = None
-) -> Iterator[TensorStats]:
-    """Statistics of every tensor, in layout order."""
-    for entry in ck.layout:
-        yield tensor_stats(ck, entry.name, block_bytes=block_bytes, progress=progress)
-
-
-__all__ = ["TensorStats", "iter_stats", "tensor_stats"]
+__all__ = ["TensorStats", "tensor_stats"]

@@ -110,7 +110,7 @@ def _save(path: Any, kind: str, *, model: Any, names_model: Any, optimizer: Any,
           process_group: Any = None) -> Layout:
     from .sources import tensor_source
 
-    if _sharded(model, names_model, optimizer, process_group):
+    if is_sharded_training(model, names_model, optimizer, process_group):
         from .distributed.training import save_training as sharded_save
 
         return sharded_save(path, kind, process_group=process_group, model=model,
@@ -131,7 +131,7 @@ def _save(path: Any, kind: str, *, model: Any, names_model: Any, optimizer: Any,
     )
 
 
-def _sharded(model: Any, names_model: Any, optimizer: Any, process_group: Any) -> bool:
+def is_sharded_training(model: Any, names_model: Any, optimizer: Any, process_group: Any) -> bool:
     """True when a training save/load must go through :mod:`lean_store.distributed`: a process
     group was given, or the model or optimizer holds DTensors / ``LocalShard`` values."""
     if process_group is not None:
@@ -198,11 +198,11 @@ def _data_kind(data: Any) -> str:
 
 
 def _data_meta(data: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-    from .sources.rng import _generator_kind, generator_state
+    from .sources.rng import generator_kind, generator_state
 
     kind = _data_kind(data)
     if kind == "generator":
-        return {"type": f"generator:{_generator_kind(data)}",
+        return {"type": f"generator:{generator_kind(data)}",
                 "state": encode(generator_state(data), "data", tensors)}
     state = data.state_dict() if kind == "stateful" else dict(data)
     return {"type": kind, "class": type(data).__qualname__, "state": encode(state, "data", tensors)}
@@ -292,7 +292,7 @@ def _json(value: Any, where: Any) -> Any:
         raise IntegrityError(f"{where}: training metadata is not valid JSON ({exc})") from None
 
 
-class _Reader:
+class TrainingReader:
     """Verified reads of one checkpoint's tensors into new torch tensors or numpy arrays."""
 
     def __init__(self, ck: Checkpoint) -> None:
@@ -327,7 +327,7 @@ class _Reader:
 def _load(path: Any, *, model: Any, names_model: Any, optimizer: Any, rng: bool,
           generators: Mapping[str, Any] | None, scheduled: Collection[str], stacklevel: int,
           scheduler: Any = None, data: Any = None, process_group: Any = None) -> TrainingInfo:
-    if _sharded(model, names_model, optimizer, process_group):
+    if is_sharded_training(model, names_model, optimizer, process_group):
         from .distributed.training import load_training as sharded_load
 
         return sharded_load(path, process_group=process_group, model=model,
@@ -378,7 +378,7 @@ def prepare_load(ck: Checkpoint, *, model: Any, names_model: Any, optimizer: Any
 
     installs: list[Callable[[], None]] = []
     version, meta, prefix = read_metadata(ck)
-    reader = _Reader(ck)
+    reader = TrainingReader(ck)
     accounted = {name for _, name in tensor_names(meta)}
     accounted |= {n for n in ck.layout.names() if n.startswith(("model/", f"{prefix}state/"))}
     extra = [n for n in ck.layout.names() if n not in accounted]
@@ -425,7 +425,7 @@ def prepare_load(ck: Checkpoint, *, model: Any, names_model: Any, optimizer: Any
     return PreparedLoad(installs, lost, info)
 
 
-def _rank_rng(meta: Any, reader: _Reader, rank: int, world: int
+def _rank_rng(meta: Any, reader: TrainingReader, rank: int, world: int
               ) -> tuple[Any, Callable[[str, str], Any], str | None]:
     """This rank's RNG metadata and a lookup for its tensors, or why it cannot be restored.
 
@@ -487,7 +487,7 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
     return install
 
 
-def _prepare_scheduler(meta: Any, scheduler: Any, reader: _Reader,
+def _prepare_scheduler(meta: Any, scheduler: Any, reader: TrainingReader,
                        where: Any) -> Callable[[], None]:
     from .sources.optimizer import class_name
 
@@ -504,7 +504,7 @@ def _prepare_scheduler(meta: Any, scheduler: Any, reader: _Reader,
     return lambda: scheduler.load_state_dict(state)
 
 
-def _prepare_data(meta: Any, data: Any, reader: _Reader, where: Any) -> tuple[Any, Any]:
+def _prepare_data(meta: Any, data: Any, reader: TrainingReader, where: Any) -> tuple[Any, Any]:
     if not isinstance(meta, dict) or not isinstance(meta.get("type"), str):
         raise IntegrityError(f"{where}: malformed data position metadata")
     state = decode(meta.get("state"), reader.lookup, "data position")
@@ -513,11 +513,11 @@ def _prepare_data(meta: Any, data: Any, reader: _Reader, where: Any) -> tuple[An
     kind = _data_kind(data)
     saved = meta["type"]
     if kind == "generator":
-        from .sources.rng import _generator_kind, check_generator_state
+        from .sources.rng import check_generator_state, generator_kind
 
-        if saved != f"generator:{_generator_kind(data)}":
+        if saved != f"generator:{generator_kind(data)}":
             raise CheckpointError(f"the data position was saved from a {saved}, not a "
-                                  f"{_generator_kind(data)} generator")
+                                  f"{generator_kind(data)} generator")
         return state, check_generator_state(data, state, "data position")
     if saved != kind:
         raise CheckpointError(f"the data position was saved as {saved!r}, not {kind!r}")

@@ -135,7 +135,7 @@ class DirectReader:
                                              f"{size + 4}")
             pad = size - dst.size
             tail = np.empty(pad + 4, np.uint8)  # google_crc32c takes numpy arrays and bytes
-            got = os.preadv(fd, [dst, tail], offset)
+            got = os.preadv(fd, [dst, tail], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
         except OSError as exc:
             raise self._fail(coords, f"cannot be read ({exc})") from None
         finally:

@@ -380,11 +380,11 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
     if rank == 0:
         torch.save(ref3, out / "ref_hsdp.pt")
     # the fallback for a torch without compute_local_shape_and_global_offset agrees with it
-    from lean_store.distributed.dtensor_blocks import _plain_block, local_block
+    from lean_store.distributed.dtensor_blocks import local_block, plain_block
 
     plain = [*model.state_dict().items(), *model3.state_dict().items(),
              ("2.weight", model2.state_dict()["2.weight"])]
-    rec["fallback_agrees"] = [k for k, v in plain if _plain_block(v) != local_block(k, v)]
+    rec["fallback_agrees"] = [k for k, v in plain if plain_block(v) != local_block(k, v)]
     rec["ls_save_hsdp"] = outcome(lambda: ls.save(model3.state_dict(), out / "hsdp.zarr",
                                                   process_group=dist.group.WORLD))
 

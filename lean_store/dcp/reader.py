@@ -34,7 +34,7 @@ from ..layout import Entry
 from ..sources.torch_source import bit_view, dtype_of_format, new_tensor
 from ..stores.base import Selection
 from .objects import ROOT_ATTR, object_bytes, parse_objects
-from .writer import _path
+from .writer import path_string
 
 
 class StorageReader(storage.StorageReader):
@@ -44,7 +44,7 @@ class StorageReader(storage.StorageReader):
     def __init__(self, path: str | os.PathLike | None = None, *, allow_pickle: bool = False
                  ) -> None:
         super().__init__()
-        self.path = None if path is None else _path(path)
+        self.path = None if path is None else path_string(path)
         self.allow_pickle = bool(allow_pickle)
         self.load_id = uuid.uuid4().hex
         self._ck: Checkpoint | None = None
@@ -53,13 +53,13 @@ class StorageReader(storage.StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.close()
         if checkpoint_id is not None:
-            self.path = _path(checkpoint_id)
+            self.path = path_string(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
-            detect_backend(_path(checkpoint_id))
+            detect_backend(path_string(checkpoint_id))
         except (CheckpointError, OSError):
             return False
         return True

@@ -20,6 +20,7 @@ The result is an ordinary lean_store sharded checkpoint: ``ls.open``, ``ls.load_
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import uuid
@@ -29,7 +30,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import storage
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.futures import Future
 
 from ..checkpoint import backend_for
@@ -91,7 +98,7 @@ class StorageWriter(storage.StorageWriter):
                  chunk_bytes: int | None = None, compression: Any = None,
                  allow_pickle: bool = False) -> None:
         super().__init__()
-        self.path = None if path is None else _path(path)
+        self.path = None if path is None else path_string(path)
         self.backend = backend
         self.chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
         if self.chunk_bytes < MIN_CHUNK_BYTES:
@@ -110,7 +117,7 @@ class StorageWriter(storage.StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = _path(checkpoint_id)
+            self.path = path_string(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._location = None
         self._layout = None
@@ -119,7 +126,7 @@ class StorageWriter(storage.StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
-            backend_for(_path(checkpoint_id))
+            backend_for(path_string(checkpoint_id))
         except CheckpointError:
             return False
         return True
@@ -162,7 +169,7 @@ class StorageWriter(storage.StorageWriter):
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     continue
-                data = item.tensor_data
+                data = _tensor_data(item)
                 key = item.index.fqn
                 shape = tuple(int(d) for d in data.size)
                 spec = (shape, format_of_dtype(data.properties.dtype))
@@ -195,7 +202,8 @@ class StorageWriter(storage.StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     continue
                 i = index[item.index.fqn]
-                box = chunk_box(item.tensor_data.chunk.offsets, item.tensor_data.chunk.sizes)
+                chunk = _tensor_data(item).chunk
+                box = chunk_box(chunk.offsets, chunk.sizes)
                 if box.empty:
                     continue  # an empty local shard (uneven sharding): nothing to write
                 k = [b for b, _ in tensor_plans[i].shards].index(box)
@@ -242,6 +250,9 @@ class StorageWriter(storage.StorageWriter):
             value = lookup(item.index)
         else:
             buf = planner.resolve_data(item)
+            if not isinstance(buf, io.BytesIO):
+                raise CheckpointError(f"object {key!r}: the planner resolved it to a "
+                                      f"{type(buf).__name__}, not bytes")
             pickled = buf.getvalue()
             buf.seek(0)
             value = torch.load(buf, weights_only=True)
@@ -296,12 +307,19 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _path(path: str | os.PathLike) -> str:
+def path_string(path: str | os.PathLike) -> str:
     return path if is_url(path) else os.fspath(path)
 
 
 def _item_key(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
     return index.fqn, tuple(int(o) for o in (index.offset or ()))
+
+
+def _tensor_data(item: WriteItem) -> TensorWriteData:
+    """The tensor part of a write item (torch gives one with every item that is not bytes)."""
+    if item.tensor_data is None:
+        raise CheckpointError(f"tensor {item.index.fqn!r}: the save plan gives no tensor data")
+    return item.tensor_data
 
 
 def _saved_bytes(data: Any) -> bytes:

@@ -63,10 +63,6 @@ class Collective:
             for b, n in zip(bufs, lengths)
         ]
 
-    def broadcast_json(self, value: Any, src: int = 0) -> Any:
-        """Rank ``src``'s value on every rank (an all-gather: metadata is small)."""
-        return self.all_gather_json(value if self.rank == src else None)[src]
-
     def agree(self, error: BaseException | None, payload: Any = None) -> list[Any]:
         """Compare outcomes. Returns every rank's ``payload`` when all succeeded; otherwise
         raises, on every rank, the same error built from the lowest failing rank's report."""

@@ -83,13 +83,13 @@ def local_block(name: str, value: Any) -> tuple[tuple[int, ...], tuple[int, ...]
                 "strided shard, and this torch does not say where its block lies; "
                 f"{DCP_HINT}"
             ) from None
-        return _plain_block(value)
+        return plain_block(value)
     shape, offsets = compute_local_shape_and_global_offset(
         value.shape, value.device_mesh, placements)
     return tuple(int(n) for n in shape), tuple(int(o) for o in offsets)
 
 
-def _plain_block(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def plain_block(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shard/Replicate only: torch.chunk sizes (ceil(n / k), the last ones shorter or empty)
     applied mesh dimension by mesh dimension."""
     shape = [int(d) for d in value.shape]

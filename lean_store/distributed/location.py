@@ -9,10 +9,9 @@ the data is written in place under a new prefix and the root ``zarr.json`` carry
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import CheckpointError, SaveIOError
 from ..stores.base import fsync_tree, remove_path, replace_atomically
@@ -21,7 +20,7 @@ from ..stores.target import check_replaceable
 STORAGE_OPTIONS = {"auto_mkdir": True}
 
 
-def is_url(path: Any) -> bool:
+def is_url(path: Any) -> TypeGuard[str]:
     return isinstance(path, str) and "://" in path
 
 
@@ -98,11 +97,3 @@ def storage_options_for(url: str, given: dict[str, Any] | None = None) -> dict[s
     if given is not None:
         return dict(given)
     return dict(STORAGE_OPTIONS) if url.startswith(("file:", "local:")) else {}
-
-
-def fsync_file(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -13,8 +13,6 @@ from .dtensor_blocks import strided_refusal
 from .local_state import Piece, layout_of
 from .shard_spec import Box, assign_owners, coverage_problems
 
-SHARD_RECORD_KEYS = ("offsets", "lengths", "rank", "crc32c", "unit")
-
 
 @dataclass(frozen=True)
 class TensorPlan:

@@ -24,10 +24,10 @@ from .collective import Collective
 from .dtensor_blocks import check_target_cover
 from .local_state import Piece, layout_of, local_pieces, strided_boxes
 from .shard_spec import Box, reads_for
-from .sharded_save import _agree
+from .sharded_save import agree
 
 
-def _stored_boxes(ck: Any, name: str) -> list[Box]:
+def stored_boxes(ck: Any, name: str) -> list[Box]:
     shards = ck._shards.get(name)
     if shards:
         return [s.box for s in shards]
@@ -36,7 +36,7 @@ def _stored_boxes(ck: Any, name: str) -> list[Box]:
 
 
 def _verify_units(ck: Any, names: list[str]) -> list[tuple[str, int]]:
-    units = []
+    units: list[tuple[str, int]] = []
     for name in names:
         shards = ck._shards.get(name)
         units.extend((name, k) for k in range(len(shards))) if shards else units.append((name, -1))
@@ -89,9 +89,9 @@ def load(
                 missing=[n for n in expected.names() if n not in ck.layout],
                 unexpected=[n for n in ck.layout.names() if n not in expected],
             )
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
             error = exc
-        check_target_cover(_agree(comm, error, strided_boxes(pieces)))
+        check_target_cover(agree(comm, error, strided_boxes(pieces)))
         assert ck is not None
         if verify:
             verify_shards(ck, names, comm)
@@ -99,11 +99,11 @@ def load(
         try:
             by_name = {p.name: p for p in pieces}
             for name in names:
-                _install(ck, by_name[name], _stored_boxes(ck, name), block_bytes)
+                install_piece(ck, by_name[name], stored_boxes(ck, name), block_bytes)
                 result.loaded.append(name)
         except Exception as exc:  # noqa: BLE001
             error = exc
-        _agree(comm, error)
+        agree(comm, error)
     finally:
         if ck is not None:
             ck.close()
@@ -118,12 +118,12 @@ def verify_shards(ck: Any, names: list[str], comm: Collective) -> None:
     try:
         for name, k in _verify_units(ck, names)[comm.rank :: comm.size]:
             _verify(ck, name, k)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
         error = exc
-    _agree(comm, error)
+    agree(comm, error)
 
 
-def _install(ck: Any, piece: Piece, stored: list[Box], block_bytes: int) -> None:
+def install_piece(ck: Any, piece: Piece, stored: list[Box], block_bytes: int) -> None:
     entry = ck.layout[piece.name]
     if entry.format != piece.format:  # the layout check makes this unreachable
         raise CheckpointError(f"{piece.name!r}: format differs from the checkpoint")

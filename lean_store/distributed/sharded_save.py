@@ -82,7 +82,7 @@ def save(
         desc = describe(pieces)
     except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
         error = exc
-    descriptions = _agree(comm, error, desc)
+    descriptions = agree(comm, error, desc)
     error = None
     layout: Layout | None = None
     plans: list[TensorPlan] = []
@@ -90,7 +90,7 @@ def save(
         layout, plans = make_plan(descriptions)
     except Exception as exc:  # noqa: BLE001
         error = exc
-    _agree(comm, error)
+    agree(comm, error)
     assert layout is not None and backend is not None
     chunks = [zarr_sharded.chunk_plan(p, chunk_bytes) for p in plans] if backend == "zarr" else []
 
@@ -107,7 +107,7 @@ def save(
         except Exception as exc:  # noqa: BLE001
             error = exc
     try:
-        work = _agree(comm, error, work)[0]
+        work = agree(comm, error, work)[0]
         # 4. write
         error = None
         digests: dict[str, list[Any]] = {}
@@ -118,7 +118,7 @@ def save(
                 digests = _write_hdf5(comm, work, plans, pieces, chunk_bytes, compression)
         except Exception as exc:  # noqa: BLE001
             error = exc
-        reports = _agree(comm, error, digests)
+        reports = agree(comm, error, digests)
         # 5. commit (rank 0)
         error = None
         if comm.rank == 0:
@@ -136,7 +136,7 @@ def save(
                 location.commit()
             except Exception as exc:  # noqa: BLE001
                 error = exc
-        _agree(comm, error)
+        agree(comm, error)
     except BaseException:
         if location is not None:
             location.abort()
@@ -144,7 +144,7 @@ def save(
     return layout
 
 
-def _agree(comm: Collective, error: BaseException | None, payload: Any = None) -> list[Any]:
+def agree(comm: Collective, error: BaseException | None, payload: Any = None) -> list[Any]:
     """``comm.agree``, turning a broken collective (a dead peer, a timeout) into a
     CheckpointError so every surviving rank reports the failure the same way."""
     try:
@@ -199,7 +199,7 @@ def _write_in_turns(comm: Collective, work: str, turns: list[tuple[int, TensorPl
                         digests[f"{i}/{k}"] = [crc, list(unit)]
             except Exception as exc:  # noqa: BLE001
                 error = exc
-        _agree(comm, error if turn == comm.rank else None)
+        agree(comm, error if turn == comm.rank else None)
     return digests
 
 

@@ -29,8 +29,8 @@ from .collective import Collective
 from .dtensor_blocks import check_target_cover
 from .local_state import LocalShard, Piece, is_dtensor, layout_of, local_pieces, strided_boxes
 from .shard_spec import Box
-from .sharded_load import _install, _stored_boxes, verify_shards
-from .sharded_save import _agree
+from .sharded_load import install_piece, stored_boxes, verify_shards
+from .sharded_save import agree
 from .sharded_save import save as sharded_save
 
 
@@ -39,6 +39,7 @@ def _stack(value: Any, rank: int, world: int) -> LocalShard:
     import numpy as np
     import torch
 
+    row: torch.Tensor | np.ndarray
     if isinstance(value, torch.Tensor):
         row = value.detach().reshape((1, *value.shape))
     else:
@@ -86,9 +87,9 @@ def save_training(
                 raise CheckpointError(f"tensor names {clash[:4]} are used twice")
             tensors.update({n: _stack(v, comm.rank, comm.size) for n, v in local_rng.items()})
         report = {"meta": meta, "rng": rng_meta}
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
         error = exc
-    reports = _agree(comm, error, report)
+    reports = agree(comm, error, report)
 
     error = None
     text = ""
@@ -108,7 +109,7 @@ def save_training(
         text = json.dumps(full, separators=(",", ":"), allow_nan=False)
     except Exception as exc:  # noqa: BLE001
         error = exc
-    _agree(comm, error)
+    agree(comm, error)
     return sharded_save(
         tensors, path, process_group=process_group, backend=backend, compression=compression,
         kind=kind, extra_root={VERSION_ATTR: TRAINING_FORMAT_VERSION, META_ATTR: text},
@@ -143,7 +144,7 @@ class _ShardedReads:
 
         def install() -> None:
             for piece in pieces:
-                _install(ck, piece, _stored_boxes(ck, piece.name), self.block_bytes)
+                install_piece(ck, piece, stored_boxes(ck, piece.name), self.block_bytes)
 
         return install
 
@@ -151,7 +152,7 @@ class _ShardedReads:
         """An optimizer state tensor: a DTensor with its parameter's (or live moment's)
         placement, holding only this rank's region; anything else is read whole."""
         from ..sources.torch_source import dtype_of_format
-        from ..training import _Reader
+        from ..training import TrainingReader
 
         base, key = name.rsplit("/", 1)
         param = self.params.get(base)
@@ -159,7 +160,7 @@ class _ShardedReads:
         like = live if is_dtensor(live) else param if is_dtensor(param) else None
         entry = self.ck.layout[name]
         if like is None or tuple(like.shape) != entry.shape:
-            return _Reader(self.ck).tensor(name, device)  # e.g. a replicated step count
+            return TrainingReader(self.ck).tensor(name, device)  # e.g. a replicated step count
         import torch
         from torch.distributed.tensor import DTensor
 
@@ -172,7 +173,7 @@ class _ShardedReads:
         strided = describe_placements(like.placements) if is_strided(like.placements) else ""
         piece = Piece(name, entry.shape, entry.format, box, local, True, strided)
         self.strided.extend(strided_boxes([piece]))
-        _install(self.ck, piece, _stored_boxes(self.ck, name), self.block_bytes)
+        install_piece(self.ck, piece, stored_boxes(self.ck, name), self.block_bytes)
         return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                                   shape=like.shape, stride=like.stride())
 
@@ -203,9 +204,9 @@ def load_training(
                 generators=generators, scheduled=scheduled, scheduler=scheduler, data=data,
                 rank=comm.rank, world=comm.size, prepare_model=hooks.prepare_model,
                 read_state=hooks.read_state)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by _agree
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
             error = exc
-        check_target_cover(_agree(comm, error, hooks.strided if hooks is not None else []))
+        check_target_cover(agree(comm, error, hooks.strided if hooks is not None else []))
         assert ck is not None and prepared is not None
         if verify:  # every stored shard's digest, each checked by one rank
             verify_shards(ck, ck.layout.names(), comm)
@@ -214,7 +215,7 @@ def load_training(
             prepared.install()
         except Exception as exc:  # noqa: BLE001
             error = exc
-        _agree(comm, error)
+        agree(comm, error)
     finally:
         if ck is not None:
             ck.close()

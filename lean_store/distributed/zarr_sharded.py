@@ -29,8 +29,6 @@ from .location import is_url, storage_options_for
 from .plan import TensorPlan
 from .shard_spec import ChunkPlan, aligned_chunks
 
-CONFIG = {"write_empty_chunks": True}
-
 
 def chunk_plan(plan: TensorPlan, chunk_bytes: int, *, always_aligned: bool = False) -> ChunkPlan:
     """The chunk shape of one tensor. ``always_aligned``: never give up alignment, however small
@@ -69,7 +67,7 @@ def create_arrays(
             fill_value=0,
             attributes=_plain(attrs),
             dimension_names=dimension_names(entry),
-            config=CONFIG,
+            config={"write_empty_chunks": True},  # all-zero chunks are written too
         )
 
 
@@ -77,7 +75,7 @@ def open_writer(root: str, plan: TensorPlan, cp: ChunkPlan) -> ZarrTensorWriter:
     """Any rank: a writer for the chunks of one tensor (metadata is never rewritten)."""
     array = zarr.open_array(
         store=root, path=node_name(plan.entry.name), mode="r+", zarr_format=3, **_options(root)
-    ).with_config(CONFIG)
+    ).with_config({"write_empty_chunks": True})
     return ZarrTensorWriter(array, plan.entry, cp.chunks, cp.chunks)
 
 

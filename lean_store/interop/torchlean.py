@@ -99,7 +99,7 @@ def _load(source: str | os.PathLike[str] | bytes | bytearray | memoryview, what:
     raise TypeError(f"{what}: expected a path or bytes, got {type(source).__name__}")
 
 
-def _atomic_write(path: str | os.PathLike[str], chunks: Iterable[bytes]) -> None:
+def atomic_write(path: str | os.PathLike[str], chunks: Iterable[bytes]) -> None:
     """Write ``chunks`` to a temporary file next to ``path`` and rename it into place."""
     target = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(target))
@@ -193,7 +193,7 @@ class _Reader:
             )
 
 
-def _u64(value: int, what: str) -> bytes:
+def _u64(value: object, what: str) -> bytes:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise FormatError(f"{what} must be an integer, got {type(value).__name__}")
     if not 0 <= int(value) < _U64_LIMIT:
@@ -272,7 +272,7 @@ def write_sf32(path: str | os.PathLike[str], tensors: Sequence[np.ndarray]) -> N
     """Write a ``TLSF32B`` file atomically, one tensor payload at a time."""
     chunks = _sf32_chunks(tensors)
     first = next(chunks)  # runs the validation before the file is created
-    _atomic_write(path, _prepend(first, chunks))
+    atomic_write(path, _prepend(first, chunks))
 
 
 def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
@@ -604,7 +604,7 @@ def encode_state_json(state: TLState) -> bytes:
 
 def write_state_json(path: str | os.PathLike[str], state: TLState) -> None:
     """Write JSON state atomically (the bytes of :func:`encode_state_json`)."""
-    _atomic_write(path, [encode_state_json(state)])
+    atomic_write(path, [encode_state_json(state)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -862,4 +862,4 @@ def encode_adam(f: TLAdamFile) -> bytes:
 
 def write_adam(path: str | os.PathLike[str], f: TLAdamFile) -> None:
     """Write a ``TLADAMF`` file atomically (the bytes of :func:`encode_adam`)."""
-    _atomic_write(path, [encode_adam(f)])
+    atomic_write(path, [encode_adam(f)])

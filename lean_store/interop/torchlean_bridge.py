@@ -32,7 +32,6 @@ from .torchlean import (
     TLAdamParam,
     TLState,
     decode_state_json,
-    encode_state_json,
     parse_tag,
     read_adam,
     read_sf32,
@@ -131,11 +130,6 @@ def state_json_of(layout: Layout, read_words: Any) -> TLState:
     return TLState(tag, tensors)
 
 
-def export_json(layout: Layout, read_words: Any) -> bytes:
-    """The exact JSON text of every tensor (TorchLean's ``Checkpoint.State`` JSON)."""
-    return encode_state_json(state_json_of(layout, read_words))
-
-
 def write_sf32_from(layout: Layout, read_words: Any, path: str | os.PathLike) -> None:
     problems = sf32_unrepresentable(layout)
     if problems:
@@ -211,7 +205,8 @@ def adam_from(layout: Layout, read_words: Any, root_attrs: dict[str, Any]) -> TL
             entries.append(TLAdamEntry(pid, scalar(entry.name, "uint64"), m, v))
     return TLAdamFile(
         version=version, kind=kind, beta1=floats[0], beta2=floats[1], eps=floats[2],
-        weight_decay=floats[3], hyper_bits=bits, random_counter=counter, params=params,
+        weight_decay=floats[3], hyper_bits=(bits[0], bits[1], bits[2], bits[3]),
+        random_counter=counter, params=params,
         entries=entries,
     )
 
@@ -239,7 +234,7 @@ def sniff(path: str | os.PathLike) -> str | None:
 
 
 __all__ = [
-    "ADAM_ATTR", "adam_from", "adam_state", "export_json", "format_of_tag", "json_unrepresentable",
+    "ADAM_ATTR", "adam_from", "adam_state", "format_of_tag", "json_unrepresentable",
     "read_adam", "sf32_unrepresentable", "sniff", "state_from_json", "state_from_sf32",
     "state_json_of", "tag_of_format", "write_adam_from", "write_sf32_from",
 ]

@@ -10,7 +10,7 @@ from .base import TargetTensor, TensorSource
 from .numpy_source import MappingSource, is_array_mapping, non_array_entry
 
 
-def _is_torch(obj: Any) -> bool:
+def is_torch_state(obj: Any) -> bool:
     torch = sys.modules.get("torch")
     if torch is None:
         return False
@@ -25,7 +25,7 @@ def tensor_source(obj: Any) -> TensorSource:
     """A :class:`TensorSource` for a torch module, a state dict or a mapping of arrays."""
     if isinstance(obj, TensorSource):
         return obj
-    if _is_torch(obj):
+    if is_torch_state(obj):
         from .torch_source import TorchSource
 
         return TorchSource(obj)
@@ -45,7 +45,7 @@ def tensor_source(obj: Any) -> TensorSource:
 
 def tensor_targets(obj: Any) -> dict[str, TargetTensor]:
     """Writable targets for in-place loading, keyed by name."""
-    if _is_torch(obj):
+    if is_torch_state(obj):
         from .torch_source import torch_targets
 
         return torch_targets(obj)

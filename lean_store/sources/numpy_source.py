@@ -71,7 +71,7 @@ class ArraySourceTensor(SourceTensor):
         return array_bits(np.ascontiguousarray(self._array[region]), self._fmt)
 
 
-def _format_of(name: str, value: Any) -> ScalarFormat:
+def format_of_value(name: str, value: Any) -> ScalarFormat:
     if isinstance(value, Encoded):
         return value.format
     try:
@@ -89,7 +89,7 @@ class MappingSource(TensorSource):
             values[name] = np.asarray(value) if isinstance(value, np.generic) else value
         self._values = values
         self.layout = Layout.from_specs(
-            [(n, tuple(v.shape), _format_of(n, v)) for n, v in values.items()]
+            [(n, tuple(v.shape), format_of_value(n, v)) for n, v in values.items()]
         )
 
     def tensors(self) -> Iterator[tuple[Entry, SourceTensor]]:

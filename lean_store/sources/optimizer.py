@@ -314,6 +314,7 @@ def prepare(
         if not isinstance(got, dict):
             raise CheckpointError(f"optimizer state metadata of {name!r} is malformed")
         param = by_name[name]
+        expect: Mapping[str, tuple[str, tuple[int, ...] | None, torch.dtype | None]] | None
         if name in live_state:
             expect = {k: (_kind(v), tuple(v.shape) if isinstance(v, torch.Tensor) else (),
                           v.dtype if isinstance(v, torch.Tensor) else None)
@@ -339,7 +340,7 @@ def prepare(
             if kind in _NUMBER_FORMATS:
                 expected_specs.append((tname, (), get(_NUMBER_FORMATS[kind])))
             elif kind == "tensor":
-                if shape is None:
+                if shape is None or dtype is None:  # no expectation: the file's own
                     if tname in file_layout:
                         expected_specs.append((tname, file_layout[tname].shape,
                                                file_layout[tname].format))
@@ -366,8 +367,8 @@ def prepare(
             if kind == "none":
                 values[key] = None
             elif kind == "tensor":
-                live = live_state.get(name, {}).get(key)
-                device = live.device if isinstance(live, torch.Tensor) else (
+                live_value = live_state.get(name, {}).get(key)
+                device = live_value.device if isinstance(live_value, torch.Tensor) else (
                     "cpu" if key == "step" else param.device)
                 values[key] = read(tname, device)
             else:

@@ -9,6 +9,7 @@ the real generators.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,7 +23,7 @@ from ..statetree import decode, encode
 PREFIX = "rng/"
 
 
-def _generator_kind(gen: Any) -> str:
+def generator_kind(gen: Any) -> str:
     if isinstance(gen, torch.Generator):
         return "torch"
     if isinstance(gen, np.random.Generator):
@@ -36,7 +37,7 @@ def _generator_kind(gen: Any) -> str:
 
 
 def generator_state(gen: Any) -> Any:
-    kind = _generator_kind(gen)
+    kind = generator_kind(gen)
     if kind == "torch":
         return gen.get_state()
     if kind == "numpy":
@@ -46,7 +47,7 @@ def generator_state(gen: Any) -> Any:
 
 def check_generator_state(gen: Any, state: Any, where: str) -> Callable[[], None]:
     """Try ``state`` on a scratch generator like ``gen``; return the installer."""
-    kind = _generator_kind(gen)
+    kind = generator_kind(gen)
     try:
         if kind == "torch":
             torch.Generator(device=gen.device).set_state(state)
@@ -85,7 +86,7 @@ def capture(tensors: dict[str, Any], generators: Mapping[str, Any] | None = None
         if not isinstance(name, str) or not name:
             raise CheckpointError(f"generator names must be non-empty strings, got {name!r}")
         gens[name] = {
-            "type": _generator_kind(gen),
+            "type": generator_kind(gen),
             "state": encode(generator_state(gen), f"{PREFIX}generators/{name}", tensors),
         }
     meta["generators"] = gens
@@ -109,10 +110,10 @@ def prepare(meta: Any, lookup: Callable[[str, str], Any], generators: Mapping[st
                 f"the checkpoint holds no state for generator {name!r}; it has "
                 f"{sorted(stored_gens)}"
             )
-        if item.get("type") != _generator_kind(gen):
+        if item.get("type") != generator_kind(gen):
             raise CheckpointError(
                 f"generator {name!r} was saved as {item.get('type')!r}, "
-                f"not {_generator_kind(gen)!r}"
+                f"not {generator_kind(gen)!r}"
             )
         state = decode(item.get("state"), lookup, f"generator {name!r}")
         installers.append(check_generator_state(gen, state, f"generator {name!r}"))
@@ -127,7 +128,7 @@ def prepare(meta: Any, lookup: Callable[[str, str], Any], generators: Mapping[st
         if "numpy" in meta:
             state = decode(meta["numpy"], lookup, "numpy RNG")
             check_generator_state(np.random.RandomState(), state, "numpy RNG")
-            installers.append(lambda s=state: np.random.set_state(s))
+            installers.append(functools.partial(np.random.set_state, state))
         else:
             lost.append("numpy RNG")
         if "python" in meta:
@@ -136,7 +137,7 @@ def prepare(meta: Any, lookup: Callable[[str, str], Any], generators: Mapping[st
                 random.Random().setstate(state)
             except (TypeError, ValueError) as exc:
                 raise IntegrityError(f"python RNG: unusable state ({exc})") from None
-            installers.append(lambda s=state: random.setstate(s))
+            installers.append(functools.partial(random.setstate, state))
         else:
             lost.append("python RNG")
 

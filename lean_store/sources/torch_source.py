@@ -15,7 +15,7 @@ from ..formats import ScalarFormat, complex_of, get
 from ..layout import Entry, Layout
 from ..stream import CopyEngine
 from .base import SourceTensor, TargetTensor, TensorSource
-from .numpy_source import ArraySourceTensor, ArrayTarget, _format_of
+from .numpy_source import ArraySourceTensor, ArrayTarget, format_of_value
 
 _TAGS: dict[Any, str] = {
     torch.float64: "float64",
@@ -214,7 +214,7 @@ def _entry_format(name: str, value: Any) -> ScalarFormat:
         except FormatError as exc:
             raise FormatError(f"tensor {name!r}: {exc}") from None
     if isinstance(value, (np.ndarray, Encoded)):
-        return _format_of(name, value)
+        return format_of_value(name, value)
     raise UnsupportedValueError(f"state entry {name!r} is {_a(type(value).__name__)}, not a tensor")
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -205,7 +205,7 @@ class StoreReader(ABC):
         self.close()
 
 
-def _refused_by_os(exc: BaseException) -> bool:
+def _refused_by_os(exc: BaseException) -> TypeGuard[OSError]:
     """An OSError carrying an errno (the operating system's refusal), not already ours."""
     return (isinstance(exc, OSError) and isinstance(exc.errno, int)
             and not isinstance(exc, CheckpointError))

@@ -16,7 +16,7 @@ import json
 import math
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -517,7 +517,7 @@ class HDF5Reader(StoreReader):
         if offset + size > self._file_size:
             raise IntegrityError(f"tensor {node!r}: chunk {coords} lies past the end of the file")
         try:
-            got = os.preadv(self._fd, [out.view(np.uint8).reshape(-1)], offset)
+            got = os.preadv(self._fd, [out.view(np.uint8).reshape(-1)], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
         except OSError as exc:
             raise IntegrityError(f"tensor {node!r}: chunk {coords} unreadable ({exc})") from None
         if got != out.nbytes:
@@ -618,7 +618,7 @@ def _crc_mismatch(node: str, coords: tuple[int, ...], start: tuple[int, ...], cr
 
 def _touched_chunks(selection: Selection, chunks: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     """Grid coordinates of the chunks a strided selection reads, in C order."""
-    axes = []
+    axes: list[Iterable[int]] = []
     for a, n, st, c in zip(selection.start, selection.count, selection.step, chunks):
         last = a + (n - 1) * st
         if st <= c:

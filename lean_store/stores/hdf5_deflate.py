@@ -51,12 +51,12 @@ def deflate_planes(shuffled: np.ndarray, itemsize: int, level: int) -> bytes:
     out = [_ZLIB_HEADER]
     for j, plane in enumerate(planes):
         sample = plane[:_SAMPLE]
-        plane_level = level if len(zlib.compress(sample, level)) < _STORE_ABOVE * max(
+        plane_level = level if len(zlib.compress(sample, level)) < _STORE_ABOVE * max(  # type: ignore[arg-type]
             1, sample.size) else 0
         stream = zlib.compressobj(plane_level, zlib.DEFLATED, -15)
-        out.append(stream.compress(plane))
+        out.append(stream.compress(plane))  # type: ignore[arg-type]  # numpy stubs: __buffer__ 3.12+
         out.append(stream.flush(zlib.Z_FINISH if j == len(planes) - 1 else zlib.Z_SYNC_FLUSH))
-    out.append(zlib.adler32(shuffled).to_bytes(4, "big"))
+    out.append(zlib.adler32(shuffled).to_bytes(4, "big"))  # type: ignore[arg-type]  # numpy stubs: __buffer__ 3.12+
     return b"".join(out)
 
 

@@ -367,10 +367,10 @@ class ZarrReader(StoreReader):
         if node not in self._consistent:  # before any data: what other readers see agrees
             check_consolidated(node, array, self._group)
             self._consistent.add(node)
-        words = fmt.words_per_value
-        raw_pairs = words == 2 and native_dtype(fmt) is None
+        per_value = fmt.words_per_value
+        raw_pairs = per_value == 2 and native_dtype(fmt) is None
         key = selection.slices() + ((slice(None),) if raw_pairs else ())
-        out_shape = selection.count + ((2,) if words == 2 else ())
+        out_shape = selection.count + ((2,) if per_value == 2 else ())
         if math.prod(out_shape) == 0:
             return np.empty(out_shape, dtype=fmt.storage_dtype), True
         direct = self._direct_reader(node, array)
@@ -402,7 +402,7 @@ class ZarrReader(StoreReader):
         if node not in self._direct:
             root = self._watch if isinstance(self._watch, PinnedRoot) else None
             ok = root is not None and self._tree is not None and direct_read_ok(array)
-            self._direct[node] = DirectReader(root.fd, node, array) if ok else None
+            self._direct[node] = DirectReader(root.fd, node, array) if root and ok else None
         return self._direct[node]
 
     def close(self) -> None:
