@@ -91,6 +91,7 @@ def to_hdf5_attr(value: Any) -> Any:
 
 
 _ATTR_TYPES: dict[tuple[str, Any], tuple[Any, Any]] = {}
+_SCALAR = h5s.create(h5s.SCALAR)
 
 
 def write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> None:
@@ -110,7 +111,8 @@ def write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> No
         name = key.encode("utf-8")
         if replace and h5a.exists(oid, name):
             h5a.delete(oid, name)
-        attr = h5a.create(oid, name, types[0], h5s.create_simple(data.shape))
+        space = _SCALAR if data.shape == () else h5s.create_simple(data.shape)
+        attr = h5a.create(oid, name, types[0], space)
         try:
             attr.write(data, mtype=types[1])
         finally:
@@ -234,10 +236,11 @@ class HDF5TensorWriter(TensorWriter):
     def __init__(
         self, dset: h5d.DatasetID, entry: Entry, ftype: Any, chunks: tuple[int, ...],
         direct: bool = False, fletcher32: bool = True, deflate: Any = None,
-        record: dict[str, Any] | None = None,
+        record: dict[str, Any] | None = None, attrs: dict[str, Any] | None = None,
     ):
         self._dset = dset
         self._record = record  # this dataset's manifest record, completed by close()
+        self._attrs = attrs  # written with the final ones by close(): one batch per dataset
         self._deflate = deflate  # shuffle + deflate done by lean_store on a thread pool
         self._ftype = ftype
         self.entry = entry
@@ -290,7 +293,8 @@ class HDF5TensorWriter(TensorWriter):
     def close(self, attrs: dict[str, Any]) -> None:
         if self._deflate is not None:
             self._deflate.flush()
-        write_attrs(self._dset, {**attrs, CHUNK_CRC_ATTR: self._crcs}, replace=True)
+        write_attrs(self._dset, {**(self._attrs or {}), **attrs, CHUNK_CRC_ATTR: self._crcs},
+                    replace=self._attrs is None)
         if self._record is not None:
             self._record["attrs"].update(attrs)
             self._record["table"] = self._crcs
@@ -332,14 +336,13 @@ class HDF5Writer(StoreWriter):
         space = h5s.create_simple(stored)
         node = node_name(entry.name)
         dset = h5d.create(self._file.id, node.encode(), ftype, space, dcpl=dcpl)
-        write_attrs(dset, attrs)
         nfilters = dcpl.get_nfilters()
         fletcher32 = nfilters == 1 and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
         deflate = self._deflate_chunks(dcpl, dset, ftype.get_size())
         record = {"node": node, "attrs": dict(attrs), "stored_shape": stored, "chunks": chunks}
         self._records.append(record)
         return HDF5TensorWriter(dset, entry, ftype, chunks, nfilters == 0 or fletcher32,
-                                fletcher32, deflate, record)
+                                fletcher32, deflate, record, attrs)
 
     def _deflate_chunks(self, dcpl: h5p.PropDCID, dset: h5d.DatasetID, itemsize: int
                         ) -> DeflateChunks | None:

@@ -51,7 +51,7 @@ def workloads(quick: bool) -> dict[str, dict[str, np.ndarray]]:
         for k in ("weight", "bias", "running_mean", "running_var"):
             resnet[f"layer{i}.bn.{k}"] = arr(w)
     llm: dict[str, np.ndarray] = {}
-    h = 512 // d
+    h = 320 // d
     llm["embed.weight"] = arr(8000 // d, h)
     for i in range(100 // n):  # 10 tensors per block: 4 matrices, 6 vectors
         p = f"blocks.{i}."
