@@ -37,7 +37,14 @@ from ..chunk_crc import (
 from ..chunking import Region, plan_chunks, region_shape
 from ..errors import CheckpointError, IntegrityError, UnsafeFileError
 from ..formats import ScalarFormat
-from ..hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_hdf5_present, read_hdf5_attrs
+from ..hardening import (
+    MAX_ATTR_BYTES,
+    MAX_ATTRS,
+    check_chunk_shape,
+    check_hdf5_present,
+    chunk_count,
+    read_hdf5_attrs,
+)
 from ..layout import Entry
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
 from .hdf5_deflate import DeflateChunks
@@ -407,6 +414,7 @@ class HDF5Reader(StoreReader):
             raise
         self._manifest_records: dict[str, TensorRecord] | None = None
         self._datasets: dict[str, h5py.Dataset] = {}
+        self._filesize: int | None = None
         self._attrs_checked: set[str] = set()  # datasets whose attributes match the manifest
         self._types: dict[str, Any] = {}
         self._direct_chunks: dict[str, tuple] = {}  # node -> (chunks, shape), or () for H5Dread
@@ -548,8 +556,8 @@ class HDF5Reader(StoreReader):
         chunks = dcpl.get_chunk() if layout == h5d.CHUNKED else None
         if shape != record.stored_shape or chunks != record.chunks:
             return None
-        check_hdf5_present(ds, node, filters)
         ftype = dsid.get_type()
+        self._check_present(node, dsid, shape, chunks, ftype, filters)
         self._types[node] = ftype
         self._tables[node] = record.table
         return StoredTensor(
@@ -557,6 +565,38 @@ class HDF5Reader(StoreReader):
             storage="hdf5", itemsize=ftype.get_size(), nbytes_on_disk=dsid.get_storage_size(),
             filters=[*filters, "crc32c"],
         )
+
+    def _check_present(self, node: str, dsid: Any, shape: tuple[int, ...],
+                       chunks: tuple[int, ...], ftype: Any, filters: list[str]) -> None:
+        """:func:`lean_store.hardening.check_hdf5_present` on low-level ids: every chunk
+        allocated, inside the file, and (uncompressed) as large as its values need."""
+        if math.prod(shape) == 0:
+            return
+        check_chunk_shape(node, chunks, shape, ftype.get_size())
+        expected = chunk_count(shape, chunks)
+        try:
+            present = dsid.get_num_chunks()
+            stored = dsid.get_storage_size()
+            if self._filesize is None:
+                self._filesize = self._file.id.get_filesize()
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise IntegrityError(f"{node!r}: unreadable chunk index ({exc})") from None
+        if present != expected:
+            raise IntegrityError(
+                f"{node!r}: {present} of {expected} chunks are present; the file is truncated "
+                "or was never completely written"
+            )
+        if stored > self._filesize:
+            raise UnsafeFileError(
+                f"{node!r}: chunks claim {stored} bytes but the file holds only {self._filesize}"
+            )
+        if not {"gzip", "lzf", "szip"} & set(filters):
+            least = math.prod(shape) * _precision(ftype) // 8
+            if stored < least:
+                raise IntegrityError(
+                    f"{node!r}: {stored} bytes stored but {least} are needed; the file is "
+                    "truncated"
+                )
 
     def check_attributes(self, node: str) -> None:
         """IntegrityError unless the attributes on dataset ``node`` are those its manifest
@@ -770,6 +810,16 @@ class HDF5Reader(StoreReader):
     def close(self) -> None:
         self._fd = None  # HDF5's own descriptor: closed with the file
         self._file.close()
+
+
+def _precision(ftype: Any) -> int:
+    """Significant bits per element of an HDF5 type (what the N-bit filter keeps at least)."""
+    if ftype.get_class() == h5t.COMPOUND:
+        return sum(_precision(ftype.get_member_type(i)) for i in range(ftype.get_nmembers()))
+    try:
+        return max(1, int(ftype.get_precision()))
+    except (AttributeError, ValueError, RuntimeError):
+        return 1
 
 
 def _h5_descriptor(file: h5py.File) -> tuple[int | None, int]:
