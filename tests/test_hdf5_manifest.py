@@ -185,3 +185,25 @@ def test_root_attrs_do_not_carry_the_manifest(tmp_path: Path) -> None:
         assert MANIFEST_ATTR not in reader.root_attrs
     finally:
         reader.close()
+
+
+def test_small_compressed_chunks_are_not_handed_to_the_pool(tmp_path: Path, monkeypatch) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lean_store.stores import hdf5_deflate
+
+    submitted: list[int] = []
+    real = ThreadPoolExecutor.submit
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", lambda self, fn, *a, **kw: (
+        submitted.append(getattr(fn, "__name__", "")), real(self, fn, *a, **kw))[1])
+    small = {f"b{i}": np.arange(100, dtype=np.float32) * i for i in range(20)}
+    path = tmp_path / "c.h5"
+    ls.save(small, path, compression="weights")
+    assert "_encode" not in submitted
+    big = {"w": np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32)}
+    ls.save(big, tmp_path / "d.h5", compression="weights", chunk_bytes=1 << 18)
+    assert "_encode" in submitted  # chunks of 256 KiB still go to the pool
+    assert hdf5_deflate.INLINE_BYTES < 1 << 18
+    got = ls.load_state(path)
+    assert all(got[k].tobytes() == v.tobytes() for k, v in small.items())
+    assert ls.verify(path).ok and ls.verify(tmp_path / "d.h5").ok
