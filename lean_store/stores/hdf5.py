@@ -22,7 +22,7 @@ from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5a, h5d, h5p, h5s, h5t, h5z
+from h5py import h5a, h5d, h5l, h5o, h5p, h5s, h5t, h5z
 from numcodecs.fletcher32 import Fletcher32
 
 from ..chunk_crc import (
@@ -37,15 +37,31 @@ from ..chunk_crc import (
 from ..chunking import Region, plan_chunks, region_shape
 from ..errors import CheckpointError, IntegrityError, UnsafeFileError
 from ..formats import ScalarFormat
-from ..hardening import check_hdf5_present, read_hdf5_attrs
+from ..hardening import (
+    MAX_ATTR_BYTES,
+    MAX_ATTRS,
+    check_chunk_shape,
+    check_hdf5_present,
+    chunk_count,
+    read_hdf5_attrs,
+)
 from ..layout import Entry
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
 from .hdf5_deflate import DeflateChunks
+from .hdf5_manifest import (
+    MANIFEST_ATTR,
+    TensorRecord,
+    attribute_differences,
+    manifest_text,
+    parse_manifest,
+    record_json,
+)
 from .hdf5_types import hdf5_type, needs_nbit
 
 _FLETCHER32 = Fletcher32()  # HDF5's fletcher32, appended after the chunk as HDF5 stores it
 DEFLATE_THREADS = 2  # shuffle + deflate workers of a compressed HDF5 save
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
+OPEN_DATASETS = 16  # datasets a reader keeps open between calls (least recently used closed)
 _FILTER_NAMES = {
     h5z.FILTER_DEFLATE: "gzip",
     h5z.FILTER_SHUFFLE: "shuffle",
@@ -82,6 +98,7 @@ def to_hdf5_attr(value: Any) -> Any:
 
 
 _ATTR_TYPES: dict[tuple[str, Any], tuple[Any, Any]] = {}
+_SCALAR = h5s.create(h5s.SCALAR)
 
 
 def write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> None:
@@ -101,7 +118,8 @@ def write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> No
         name = key.encode("utf-8")
         if replace and h5a.exists(oid, name):
             h5a.delete(oid, name)
-        attr = h5a.create(oid, name, types[0], h5s.create_simple(data.shape))
+        space = _SCALAR if data.shape == () else h5s.create_simple(data.shape)
+        attr = h5a.create(oid, name, types[0], space)
         try:
             attr.write(data, mtype=types[1])
         finally:
@@ -116,6 +134,81 @@ def from_hdf5_attr(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def read_attrs(oid: Any, where: str, names: list[str] | None = None) -> dict[str, Any]:
+    """The attributes of the HDF5 object ``oid`` (a low-level id) with the checks of
+    :func:`lean_store.hardening.read_hdf5_attrs` (count, shape, type and size checked before a
+    value is read; variable-length strings refused), through h5py's low-level API: several
+    times cheaper. ``names``: read these (opened by name, cheaper than by index; a missing one
+    is an IntegrityError) and only these when the object holds exactly that many."""
+    try:
+        count = h5a.get_num_attrs(oid)
+    except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
+        raise IntegrityError(f"{where}: unreadable attribute list ({exc})") from None
+    if count > MAX_ATTRS:
+        raise UnsafeFileError(f"{where}: {count} attributes (limit {MAX_ATTRS})")
+    if names is not None and count != len(names):
+        raise IntegrityError(f"{where}: {count} attributes where {len(names)} were written")
+    out: dict[str, Any] = {}
+    for i in range(count):
+        name = f"#{i}" if names is None else names[i]
+        try:
+            if names is None:
+                aid = h5a.open(oid, index=i)
+                name = aid.name.decode("utf-8")
+            else:
+                aid = h5a.open(oid, name.encode("utf-8"))
+            shape, ftype = aid.shape, aid.get_type()
+            dtype, mtype = _attr_types(ftype)
+        except (OSError, RuntimeError, ValueError, TypeError, KeyError, UnicodeError) as exc:
+            raise IntegrityError(f"{where}: unreadable attribute {name!r} ({exc})") from None
+        if shape is None or len(shape) > 1:
+            raise IntegrityError(f"{where}: attribute {name!r} has an unsupported shape {shape}")
+        if dtype is None:
+            if ftype.get_class() == h5t.STRING:  # the only other string kind: variable length
+                raise UnsafeFileError(
+                    f"{where}: attribute {name!r} is a variable-length string; lean_store files "
+                    "hold fixed-length strings only"
+                )
+            raise IntegrityError(f"{where}: attribute {name!r} has an unsupported type")
+        n = math.prod(shape)
+        if n * max(1, dtype.itemsize) > MAX_ATTR_BYTES or (dtype.kind == "S" and n > 1):
+            raise UnsafeFileError(f"{where}: attribute {name!r} claims {n} values; too large")
+        try:
+            data = np.zeros(shape, dtype=dtype)
+            aid.read(data, mtype=mtype)
+            value = data if name == CHUNK_CRC_ATTR and data.ndim == 1 else from_hdf5_attr(
+                data[()] if data.ndim == 0 else data
+            )
+        except (OSError, RuntimeError, ValueError, TypeError, KeyError, UnicodeError) as exc:
+            raise IntegrityError(f"{where}: unreadable attribute {name!r} ({exc})") from None
+        out[name] = value
+    return out
+
+
+_MEMORY_TYPES: dict[str, Any] = {}
+
+
+def _attr_types(ftype: Any) -> tuple[np.dtype | None, Any]:
+    """(numpy dtype, HDF5 memory type) to read an attribute of file type ``ftype``: native
+    integers and floats, fixed-length strings as their bytes; (None, None) for anything else.
+    Built from the type's class and size (``AttrID.dtype`` costs ~10x more)."""
+    cls, size = ftype.get_class(), ftype.get_size()
+    if cls == h5t.STRING:
+        if ftype.is_variable_str():
+            return None, None
+        return np.dtype(f"S{size}"), ftype
+    if cls == h5t.INTEGER and size in (1, 2, 4, 8):
+        code = f"{'i' if ftype.get_sign() == h5t.SGN_2 else 'u'}{size}"
+    elif cls == h5t.FLOAT and size in (2, 4, 8):
+        code = f"f{size}"
+    else:
+        return None, None
+    mtype = _MEMORY_TYPES.get(code)
+    if mtype is None:
+        mtype = _MEMORY_TYPES[code] = h5t.py_create(np.dtype(code))
+    return np.dtype(code), mtype
 
 
 WEIGHTS_DEFLATE_LEVEL = 1
@@ -150,8 +243,11 @@ class HDF5TensorWriter(TensorWriter):
     def __init__(
         self, dset: h5d.DatasetID, entry: Entry, ftype: Any, chunks: tuple[int, ...],
         direct: bool = False, fletcher32: bool = True, deflate: Any = None,
+        record: dict[str, Any] | None = None, attrs: dict[str, Any] | None = None,
     ):
         self._dset = dset
+        self._record = record  # this dataset's manifest record, completed by close()
+        self._attrs = attrs  # written with the final ones by close(): one batch per dataset
         self._deflate = deflate  # shuffle + deflate done by lean_store on a thread pool
         self._ftype = ftype
         self.entry = entry
@@ -204,7 +300,11 @@ class HDF5TensorWriter(TensorWriter):
     def close(self, attrs: dict[str, Any]) -> None:
         if self._deflate is not None:
             self._deflate.flush()
-        write_attrs(self._dset, {**attrs, CHUNK_CRC_ATTR: self._crcs}, replace=True)
+        write_attrs(self._dset, {**(self._attrs or {}), **attrs, CHUNK_CRC_ATTR: self._crcs},
+                    replace=self._attrs is None)
+        if self._record is not None:
+            self._record["attrs"].update(attrs)
+            self._record["table"] = self._crcs
 
 
 class HDF5Writer(StoreWriter):
@@ -220,6 +320,7 @@ class HDF5Writer(StoreWriter):
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
         self._fletcher32 = checksum == "fletcher32+crc32c"
         self._pool: ThreadPoolExecutor | None = None  # shuffle + deflate workers, when used
+        self._records: list[dict[str, Any]] = []  # the manifest, one record per dataset
         with self._creating():
             self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, track_order=True)
 
@@ -240,13 +341,15 @@ class HDF5Writer(StoreWriter):
         if self._fletcher32:
             dcpl.set_fletcher32()
         space = h5s.create_simple(stored)
-        dset = h5d.create(self._file.id, node_name(entry.name).encode(), ftype, space, dcpl=dcpl)
-        write_attrs(dset, attrs)
+        node = node_name(entry.name)
+        dset = h5d.create(self._file.id, node.encode(), ftype, space, dcpl=dcpl)
         nfilters = dcpl.get_nfilters()
         fletcher32 = nfilters == 1 and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
         deflate = self._deflate_chunks(dcpl, dset, ftype.get_size())
+        record = {"node": node, "attrs": dict(attrs), "stored_shape": stored, "chunks": chunks}
+        self._records.append(record)
         return HDF5TensorWriter(dset, entry, ftype, chunks, nfilters == 0 or fletcher32,
-                                fletcher32, deflate)
+                                fletcher32, deflate, record, attrs)
 
     def _deflate_chunks(self, dcpl: h5p.PropDCID, dset: h5d.DatasetID, itemsize: int
                         ) -> DeflateChunks | None:
@@ -268,6 +371,11 @@ class HDF5Writer(StoreWriter):
         attrs = self._file.attrs
         for key, value in root_attrs.items():
             attrs[key] = to_hdf5_attr(value)
+        if all("table" in r for r in self._records):  # every tensor closed: the manifest
+            attrs[MANIFEST_ATTR] = to_hdf5_attr(manifest_text([
+                record_json(r["node"], r["attrs"], r["stored_shape"], r["chunks"], r["table"])
+                for r in self._records
+            ]))
         attrs["complete"] = np.int8(1)  # written last: a file without it is incomplete
         self._file.flush()
         self._file.close()
@@ -291,14 +399,23 @@ class HDF5Reader(StoreReader):
 
     def __init__(self, source: Any) -> None:
         try:
-            self._file = h5py.File(source, "r")
+            # no chunk cache: datasets stay open between reads (OPEN_DATASETS), and a cache
+            # would hold up to 1 MiB each while serving chunks lean_store reads whole anyway
+            self._file = h5py.File(source, "r", rdcc_nbytes=0)
         except (OSError, ValueError) as exc:
             raise IntegrityError(f"{source}: not a readable HDF5 file ({exc})") from None
         try:
             self.root_attrs = read_hdf5_attrs(self._file, str(source))
+            # parsed on first use, after the header checks (parse_root) passed
+            self._manifest_text = self.root_attrs.pop(MANIFEST_ATTR, None)
+            self._where = str(source)
         except BaseException:
             self._file.close()
             raise
+        self._manifest_records: dict[str, TensorRecord] | None = None
+        self._datasets: dict[str, h5py.Dataset] = {}
+        self._filesize: int | None = None
+        self._attrs_checked: set[str] = set()  # datasets whose attributes match the manifest
         self._types: dict[str, Any] = {}
         self._direct_chunks: dict[str, tuple] = {}  # node -> (chunks, shape), or () for H5Dread
         self._tables: dict[str, np.ndarray | None] = {}  # node -> chunk_crc32c table
@@ -309,6 +426,14 @@ class HDF5Reader(StoreReader):
         self._fd, self._file_size = _h5_descriptor(self._file)
         self._plain: dict[str, bool] = {}  # node -> chunked, no filter
 
+    @property
+    def _manifest(self) -> dict[str, TensorRecord] | None:
+        """node -> record from the root ``manifest`` attribute; None in files without one."""
+        if self._manifest_records is None and self._manifest_text is not None:
+            self._manifest_records = parse_manifest(self._manifest_text, self._where)
+            self._manifest_text = None
+        return self._manifest_records
+
     def nodes(self) -> list[str]:
         try:
             return self._nodes()
@@ -316,30 +441,53 @@ class HDF5Reader(StoreReader):
             raise IntegrityError(f"unreadable HDF5 group listing ({exc})") from None
 
     def _nodes(self) -> list[str]:
+        links: list[tuple[bytes, int]] = []  # one pass over the root group's links
+
+        def visit(name: bytes, info: Any) -> None:
+            links.append((name, info.type))  # (raising in here would upset h5py's lock)
+
+        self._file.id.links.iterate(visit, info=True)
         names = []
-        for name in self._file:
-            link = self._file.get(name, getlink=True)
-            if not isinstance(link, h5py.HardLink):
-                raise UnsafeFileError(f"{name!r} is a {type(link).__name__}, not a dataset")
+        for raw, kind in links:
+            name = raw.decode("utf-8")
+            if kind != h5l.TYPE_HARD:
+                what = {h5l.TYPE_SOFT: "SoftLink", h5l.TYPE_EXTERNAL: "ExternalLink"}.get(
+                    kind, "link of an unknown type")
+                raise UnsafeFileError(f"{name!r} is a {what}, not a dataset")
             names.append(name)
         return sorted(names)
 
     def _dataset(self, node: str) -> h5py.Dataset:
+        ds = self._datasets.pop(node, None)
+        if ds is None:
+            ds = self._open_dataset(node)
+            if len(self._datasets) >= OPEN_DATASETS:  # each holds HDF5's chunk cache
+                del self._datasets[next(iter(self._datasets))]
+        self._datasets[node] = ds  # most recently used last
+        return ds
+
+    def _open_dataset(self, node: str) -> h5py.Dataset:
+        """The dataset linked as ``node`` by a hard link (checked before it is opened),
+        through the low-level API (h5py's ``group.get`` costs several times more)."""
+        name = node.encode("utf-8")
+        links = self._file.id.links
         try:
-            link = self._file.get(node, getlink=True)
+            if not links.exists(name):
+                raise IntegrityError(f"dataset {node!r} is missing")
+            kind = links.get_info(name).type
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise IntegrityError(f"dataset {node!r} is unreadable ({exc})") from None
-        if link is None:
-            raise IntegrityError(f"dataset {node!r} is missing")
-        if not isinstance(link, h5py.HardLink):
-            raise UnsafeFileError(f"{node!r} is a {type(link).__name__}, not a dataset")
+        if kind != h5l.TYPE_HARD:
+            what = {h5l.TYPE_SOFT: "SoftLink", h5l.TYPE_EXTERNAL: "ExternalLink"}.get(
+                kind, "link of an unknown type")
+            raise UnsafeFileError(f"{node!r} is a {what}, not a dataset")
         try:
-            obj = self._file[node]
+            oid = h5o.open(self._file.id, name)
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise IntegrityError(f"dataset {node!r} is unreadable ({exc})") from None
-        if not isinstance(obj, h5py.Dataset):
+        if not isinstance(oid, h5d.DatasetID):
             raise IntegrityError(f"{node!r} is not a dataset")
-        return obj
+        return h5py.Dataset(oid)
 
     def stored(self, node: str) -> StoredTensor:
         try:
@@ -348,6 +496,11 @@ class HDF5Reader(StoreReader):
             raise IntegrityError(f"dataset {node!r}: unreadable metadata ({exc})") from None
 
     def _stored(self, node: str) -> StoredTensor:
+        record = None if self._manifest is None else self._manifest.get(node)
+        if record is not None:
+            found = self._stored_from_manifest(node, record)
+            if found is not None:
+                return found
         ds = self._dataset(node)
         dcpl = ds.id.get_create_plist()
         layout = dcpl.get_layout()
@@ -384,6 +537,100 @@ class HDF5Reader(StoreReader):
             filters=filters,
         )
 
+    def _stored_from_manifest(self, node: str, record: TensorRecord) -> StoredTensor | None:
+        """The dataset's structure checked (link, layout, filters, chunks present) through the
+        low-level API; attributes and the chunk_crc32c table from the record. None when the
+        dataset's shape or chunking is not the record's (re-chunked by a tool): the dataset's
+        own attributes are read and checked then, as in a file without a manifest."""
+        ds = self._dataset(node)
+        dsid = ds.id
+        dcpl = dsid.get_create_plist()
+        layout = dcpl.get_layout()
+        if layout == h5d.VIRTUAL:
+            raise UnsafeFileError(
+                f"{node!r} is a virtual dataset; lean_store reads its own data only"
+            )
+        if dcpl.get_external_count() > 0:
+            raise UnsafeFileError(f"{node!r} uses external raw storage outside the file")
+        filters = []
+        for i in range(dcpl.get_nfilters()):
+            code = dcpl.get_filter(i)[0]
+            if code not in ALLOWED_FILTERS:
+                raise UnsafeFileError(f"{node!r} uses an unknown HDF5 filter (id {code})")
+            filters.append(_FILTER_NAMES.get(code, str(code)))
+        shape = dsid.shape
+        chunks = dcpl.get_chunk() if layout == h5d.CHUNKED else None
+        if shape != record.stored_shape or chunks != record.chunks:
+            return None
+        ftype = dsid.get_type()
+        self._check_present(node, dsid, shape, chunks, ftype, filters)
+        self._types[node] = ftype
+        self._tables[node] = record.table
+        return StoredTensor(
+            node=node, attrs=dict(record.attrs), stored_shape=shape, chunk_shape=chunks,
+            storage="hdf5", itemsize=ftype.get_size(), nbytes_on_disk=dsid.get_storage_size(),
+            filters=[*filters, "crc32c"],
+        )
+
+    def _check_present(self, node: str, dsid: Any, shape: tuple[int, ...],
+                       chunks: tuple[int, ...], ftype: Any, filters: list[str]) -> None:
+        """:func:`lean_store.hardening.check_hdf5_present` on low-level ids: every chunk
+        allocated, inside the file, and (uncompressed) as large as its values need."""
+        if math.prod(shape) == 0:
+            return
+        check_chunk_shape(node, chunks, shape, ftype.get_size())
+        expected = chunk_count(shape, chunks)
+        try:
+            present = dsid.get_num_chunks()
+            stored = dsid.get_storage_size()
+            if self._filesize is None:
+                self._filesize = self._file.id.get_filesize()
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise IntegrityError(f"{node!r}: unreadable chunk index ({exc})") from None
+        if present != expected:
+            raise IntegrityError(
+                f"{node!r}: {present} of {expected} chunks are present; the file is truncated "
+                "or was never completely written"
+            )
+        if stored > self._filesize:
+            raise UnsafeFileError(
+                f"{node!r}: chunks claim {stored} bytes but the file holds only {self._filesize}"
+            )
+        if not {"gzip", "lzf", "szip"} & set(filters):
+            least = math.prod(shape) * _precision(ftype) // 8
+            if stored < least:
+                raise IntegrityError(
+                    f"{node!r}: {stored} bytes stored but {least} are needed; the file is "
+                    "truncated"
+                )
+
+    def check_attributes(self, node: str) -> None:
+        """IntegrityError unless the attributes on dataset ``node`` are those its manifest
+        record holds (nothing to compare in a file without a manifest). Once per dataset."""
+        if self._manifest is None or node in self._attrs_checked:
+            return
+        record = self._manifest.get(node)
+        if record is None:
+            return
+        dsid = self._dataset(node).id
+        names = [*record.attrs, CHUNK_CRC_ATTR]
+        try:
+            attrs = read_attrs(dsid, repr(node), names)
+        except IntegrityError:  # not the attributes written: read whatever is there
+            attrs = read_attrs(dsid, repr(node))
+        table = attrs.get(CHUNK_CRC_ATTR)
+        if table is not None:  # a malformed table is named as such
+            parse_table(table, record.table.size, repr(node), shape=record.stored_shape,
+                        chunks=record.chunks)
+        problems = attribute_differences(record, attrs)
+        if problems:
+            name = record.attrs.get("name", node)
+            raise IntegrityError(
+                f"tensor {name!r} (dataset {node!r}): its attributes were changed after the "
+                f"save: {'; '.join(problems)}"
+            )
+        self._attrs_checked.add(node)
+
     def file_type_matches(self, node: str, fmt: ScalarFormat) -> bool:
         """True when the dataset's HDF5 type is exactly the one lean_store writes for ``fmt``."""
         ftype = self._types.get(node) or self._dataset(node).id.get_type()
@@ -395,6 +642,7 @@ class HDF5Reader(StoreReader):
         """Raw words of ``selection``, into ``out`` when given (a C-contiguous array of the
         selection's shape and the format's storage dtype). With a ``chunk_crc32c`` table, every
         chunk the selection touches is read whole and checked against it first."""
+        self.check_attributes(node)
         ds = self._dataset(node)
         ftype = self._types.get(node) or ds.id.get_type()
         shape = selection.count + ((2,) if fmt.words_per_value == 2 else ())
@@ -464,6 +712,7 @@ class HDF5Reader(StoreReader):
         """One whole chunk (``selection``) read straight into the C-contiguous ``out``, NOT
         checked against the table: the caller runs :meth:`check_chunk` before using it (so
         that the check can overlap the read of the next chunk)."""
+        self.check_attributes(node)
         ds = self._dataset(node)
         ftype = self._types.get(node) or ds.id.get_type()
         coords = tuple(a // c for a, c in zip(selection.start, ds.chunks or ds.shape))
@@ -567,6 +816,16 @@ class HDF5Reader(StoreReader):
     def close(self) -> None:
         self._fd = None  # HDF5's own descriptor: closed with the file
         self._file.close()
+
+
+def _precision(ftype: Any) -> int:
+    """Significant bits per element of an HDF5 type (what the N-bit filter keeps at least)."""
+    if ftype.get_class() == h5t.COMPOUND:
+        return sum(_precision(ftype.get_member_type(i)) for i in range(ftype.get_nmembers()))
+    try:
+        return max(1, int(ftype.get_precision()))
+    except (AttributeError, ValueError, RuntimeError):
+        return 1
 
 
 def _h5_descriptor(file: h5py.File) -> tuple[int | None, int]:

@@ -66,6 +66,11 @@ def _encode(shuffled: np.ndarray, itemsize: int, level: int, fletcher32: bool
     return _FLETCHER32.encode(packed) if fletcher32 else packed
 
 
+INLINE_BYTES = 64 << 10
+"""Chunks smaller than this are compressed on the calling thread when nothing is queued: a
+pool hand-off costs more than deflating them (many small tensors: biases, norms)."""
+
+
 class DeflateChunks:
     """Compress chunks in a thread pool, hand them to ``put(offset, payload)`` in order."""
 
@@ -82,6 +87,9 @@ class DeflateChunks:
         """Queue one full chunk (its bytes, padded to the chunk shape). The shuffle copies it
         here, so the caller may reuse ``chunk``'s memory as soon as this returns."""
         shuffled = shuffle(chunk, self._itemsize)
+        if not self._pending and chunk.nbytes < INLINE_BYTES:  # not worth a thread hand-off
+            self._put(offset, _encode(shuffled, self._itemsize, self._level, self._fletcher32))
+            return
         if shuffled is chunk:
             shuffled = chunk.copy()
         self._pending.append(

@@ -1,0 +1,245 @@
+"""Per-tensor cost of lean_store against its peers: many-tensor states, side by side in one process.
+
+    .venv/bin/python tools/bench/peers.py                  # every workload, median of 3
+    .venv/bin/python tools/bench/peers.py --quick          # tiny sizes, one round (a smoke run)
+    .venv/bin/python tools/bench/peers.py --workload tiny --repeat 5
+
+Workloads (float32 unless said): ``resnet50`` (320 tensors, ~100 MB: conv kernels, BN vectors),
+``llm`` (~1,000 tensors, ~200 MB: matrices plus many LayerNorm/bias vectors), ``tiny`` (1,000
+tensors of 64 values) and ``big`` (128 x 4 MiB). Peers: lean_store HDF5 and Zarr
+(``save`` / ``load_state``), safetensors (``safetensors.torch.save_file``, numpy
+``load_file``), ``torch.save`` / ``torch.load``, DCP in one process
+(``FileSystemWriter`` / ``FileSystemReader``, ``no_dist=True``) and raw numpy (``np.save`` /
+``np.load`` of each tensor in one directory). Files go to ``--dir`` (default /dev/shm); no
+fsync for anyone. The table gives medians in seconds and ratios *peer time / lean_store HDF5
+time* (> 1: lean_store faster); the fitted per-tensor cost is the least-squares slope of time
+against tensor count over the workloads run (with a per-byte term when there are three or more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+Method = tuple[Callable[[dict[str, Any], Path], None], Callable[[Path, dict[str, Any]], None]]
+
+
+def workloads(quick: bool) -> dict[str, dict[str, np.ndarray]]:
+    """name -> {tensor name: float32 array}. ``quick``: the same shapes, far smaller."""
+    rng = np.random.default_rng(0)
+    d = 8 if quick else 1  # quick: narrower tensors and a tenth of the tensors
+    n = 10 if quick else 1
+
+    def arr(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    resnet: dict[str, np.ndarray] = {}
+    widths = [64, 128, 256, 320]  # ~110 MB of float32
+    for i in range(64 // n):  # 64 conv + 64 BN (4 tensors) + ... = 320 tensors
+        w = max(2, widths[min(3, i // 16)] // d)
+        resnet[f"layer{i}.conv.weight"] = arr(w, w, 3, 3)
+        for k in ("weight", "bias", "running_mean", "running_var"):
+            resnet[f"layer{i}.bn.{k}"] = arr(w)
+    llm: dict[str, np.ndarray] = {}
+    h = 320 // d
+    llm["embed.weight"] = arr(8000 // d, h)
+    for i in range(100 // n):  # 10 tensors per block: 4 matrices, 6 vectors
+        p = f"blocks.{i}."
+        llm[p + "attn.qkv.weight"] = arr(3 * h, h)
+        llm[p + "attn.proj.weight"] = arr(h, h)
+        llm[p + "mlp.fc1.weight"] = arr(h, h // 2)
+        llm[p + "mlp.fc2.weight"] = arr(h // 2, h)
+        for k in ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn.qkv.bias",
+                  "mlp.fc1.bias"):
+            llm[p + k] = arr(h)
+    for k in range(10):
+        llm[f"head.{k}"] = arr(h)
+    tiny = {f"t{i}": arr(64) for i in range(100 if quick else 1000)}
+    big = {f"b{i}": arr((1 << 20) // d) for i in range(16 if quick else 128)}
+    return {"resnet50": resnet, "llm": llm, "tiny": tiny, "big": big}
+
+
+def _lean(backend: str) -> Method:
+    import lean_store as ls
+
+    suffix = ".h5" if backend == "hdf5" else ".zarr"
+
+    def save(state: dict[str, Any], d: Path) -> None:
+        ls.save(state, d / f"ckpt{suffix}", progress=False)
+
+    def load(d: Path, like: dict[str, Any]) -> None:
+        ls.load_state(d / f"ckpt{suffix}")
+
+    return save, load
+
+
+def _safetensors() -> Method:
+    import torch
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+
+    def save(state: dict[str, Any], d: Path) -> None:
+        save_file({k: torch.from_numpy(v) for k, v in state.items()}, str(d / "m.safetensors"))
+
+    def load(d: Path, like: dict[str, Any]) -> None:
+        load_file(str(d / "m.safetensors"))
+
+    return save, load
+
+
+def _torch() -> Method:
+    import torch
+
+    def save(state: dict[str, Any], d: Path) -> None:
+        torch.save({k: torch.from_numpy(v) for k, v in state.items()}, d / "m.pt")
+
+    def load(d: Path, like: dict[str, Any]) -> None:
+        torch.load(d / "m.pt", weights_only=True)
+
+    return save, load
+
+
+def _dcp() -> Method:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    def save(state: dict[str, Any], d: Path) -> None:
+        dcp.save({k: torch.from_numpy(v) for k, v in state.items()},
+                 storage_writer=dcp.FileSystemWriter(str(d / "dcp")), no_dist=True)
+
+    def load(d: Path, like: dict[str, Any]) -> None:
+        target = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in like.items()}
+        dcp.load(target, storage_reader=dcp.FileSystemReader(str(d / "dcp")), no_dist=True)
+
+    return save, load
+
+
+def _numpy() -> Method:
+    def save(state: dict[str, Any], d: Path) -> None:
+        (d / "np").mkdir()
+        for i, v in enumerate(state.values()):
+            np.save(d / "np" / f"{i}.npy", v)
+
+    def load(d: Path, like: dict[str, Any]) -> None:
+        for i in range(len(like)):
+            np.load(d / "np" / f"{i}.npy")
+
+    return save, load
+
+
+PEERS: dict[str, Callable[[], Method]] = {
+    "lean_store hdf5": lambda: _lean("hdf5"),
+    "lean_store zarr": lambda: _lean("zarr"),
+    "safetensors": _safetensors,
+    "torch.save": _torch,
+    "dcp 1 proc": _dcp,
+    "numpy": _numpy,
+}
+BASELINE = "lean_store hdf5"
+
+
+def measure(states: dict[str, dict[str, np.ndarray]], peers: list[str], repeat: int,
+            root: Path) -> dict[tuple[str, str], tuple[float, float]]:
+    """(workload, peer) -> (median save s, median load s); rounds interleave the peers."""
+    methods: dict[str, Method] = {}
+    for name in peers:
+        try:
+            methods[name] = PEERS[name]()
+        except ImportError as exc:
+            print(f"{name}: not available ({exc})", file=sys.stderr)
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    for wname, state in states.items():
+        times: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in methods}
+        for _ in range(repeat):
+            for name, (save, load) in methods.items():
+                d = Path(tempfile.mkdtemp(dir=root, prefix="peers-"))
+                try:
+                    t0 = time.perf_counter()
+                    save(state, d)
+                    t1 = time.perf_counter()
+                    load(d, state)
+                    t2 = time.perf_counter()
+                finally:
+                    shutil.rmtree(d, ignore_errors=True)
+                times[name][0].append(t1 - t0)
+                times[name][1].append(t2 - t1)
+        for name, (s, lo) in times.items():
+            out[wname, name] = (statistics.median(s), statistics.median(lo))
+    return out
+
+
+def per_tensor_cost(points: list[tuple[int, int, float]]) -> float | None:
+    """Least-squares seconds per tensor from (tensors, bytes, seconds) points: time ~ a +
+    b*tensors (+ c*bytes with three or more points). None with fewer than two counts."""
+    if len({n for n, _, _ in points}) < 2:
+        return None
+    cols = [[1.0, float(n)] + ([float(b)] if len(points) >= 3 else []) for n, b, _ in points]
+    coef, *_ = np.linalg.lstsq(np.array(cols), np.array([t for _, _, t in points]), rcond=None)
+    return float(coef[1])
+
+
+def report(states: dict[str, dict[str, np.ndarray]],
+           results: dict[tuple[str, str], tuple[float, float]]) -> str:
+    peers = list(dict.fromkeys(p for _, p in results))
+    lines = ["| workload | tensors | MB | peer | save s | load s | save ratio | load ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for wname, state in states.items():
+        base = results.get((wname, BASELINE))
+        mb = sum(v.nbytes for v in state.values()) / 1e6
+        for p in peers:
+            if (wname, p) not in results:
+                continue
+            s, lo = results[wname, p]
+            ratio = (f"{s / base[0]:.2f} | {lo / base[1]:.2f}" if base else "- | -")
+            lines.append(f"| {wname} | {len(state)} | {mb:.1f} | {p} | {s:.4f} | {lo:.4f} | "
+                         f"{ratio} |")
+    lines.append("")
+    lines.append("fitted per-tensor cost (ms), save / load:")
+    for p in peers:
+        pts_s = [(len(st), sum(v.nbytes for v in st.values()), results[w, p][0])
+                 for w, st in states.items() if (w, p) in results]
+        pts_l = [(n, b, results[w, p][1]) for (n, b, _), w in zip(pts_s, states)]
+        fs, fl = per_tensor_cost(pts_s), per_tensor_cost(pts_l)
+        tiny = results.get(("tiny", p))
+        fit = "-" if fs is None or fl is None else f"{fs * 1e3:.3f} / {fl * 1e3:.3f}"
+        per = "" if tiny is None else (
+            f"  (tiny workload / its count: {tiny[0] / len(states['tiny']) * 1e3:.3f} / "
+            f"{tiny[1] / len(states['tiny']) * 1e3:.3f})")
+        lines.append(f"  {p}: {fit}{per}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, one round")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds (median reported)")
+    parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    parser.add_argument("--workload", action="append", choices=["resnet50", "llm", "tiny", "big"])
+    parser.add_argument("--peer", action="append", choices=list(PEERS))
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    states = workloads(args.quick)
+    if args.workload:
+        states = {k: v for k, v in states.items() if k in args.workload}
+    repeat = 1 if args.quick and args.repeat == 3 else args.repeat
+    root = Path(tempfile.mkdtemp(dir=args.dir, prefix="lean_store-peers-"))
+    try:
+        results = measure(states, args.peer or list(PEERS), repeat, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(report(states, results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
