@@ -12,7 +12,9 @@ installed release lacks them. ``tests/test_zarr_compat.py`` checks both paths.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,14 +30,17 @@ from zarr.codecs import Crc32cCodec
 
 
 def metadata_document(array: Any) -> dict[str, Any]:
-    """The array's ``zarr.json`` document as zarr would write it (plain JSON values)."""
+    """The array's ``zarr.json`` document as zarr would write it (plain JSON values); ``array``
+    may also be such a document itself (a ``dict``), as lean_store writes or reads it."""
+    if isinstance(array, dict):
+        return array
     return array.metadata.to_dict()
 
 
 def regular_grid(array: Any) -> tuple[int, ...] | None:
     """The shape of one cell of the array's chunk grid (the shard shape when sharded, else the
     chunk shape), or None when the grid is not the spec's ``regular`` grid."""
-    grid = array.metadata.chunk_grid
+    grid = None if isinstance(array, dict) else array.metadata.chunk_grid
     to_dict = getattr(grid, "to_dict", None)
     doc = to_dict() if to_dict is not None else metadata_document(array)["chunk_grid"]
     if not isinstance(doc, dict) or doc.get("name") != "regular":
@@ -64,16 +69,10 @@ def sharding_document(array: Any) -> dict[str, Any] | None:
 def chunk_key(array: Any, coords: Sequence[int]) -> str:
     """The store key (relative to the array) of the chunk (shard) at grid ``coords``."""
     coords = tuple(int(c) for c in coords)
-    encode = getattr(array.metadata, "encode_chunk_key", None)
+    encode = None if isinstance(array, dict) else getattr(array.metadata, "encode_chunk_key", None)
     if encode is not None:
         return str(encode(coords))
-    doc = metadata_document(array).get("chunk_key_encoding", {})  # the spec's two encodings
-    sep = doc.get("configuration", {}).get("separator")
-    if doc.get("name") == "v2":
-        sep = sep or "."
-        return sep.join(map(str, coords)) if coords else "0"
-    sep = sep or "/"
-    return "c" + "".join(sep + str(c) for c in coords)
+    return key_of_document(metadata_document(array), coords)
 
 
 def plain_codecs(codecs: Sequence[dict[str, Any]]) -> bool:
@@ -83,6 +82,106 @@ def plain_codecs(codecs: Sequence[dict[str, Any]]) -> bool:
         return False
     endian = (codecs[0].get("configuration") or {}).get("endian", "little")
     return endian in (None, "little")
+
+
+# ---------------------------------------------------------------- metadata written directly
+
+
+def _fill_json(dtype: np.dtype) -> Any:
+    """The fill value 0 as zarr writes it for ``dtype`` in ``zarr.json``."""
+    if dtype.kind == "b":
+        return False
+    if dtype.kind == "c":
+        return [0.0, 0.0]
+    if dtype.kind == "f":
+        return 0.0
+    return 0
+
+
+def _bytes_codec(dtype: np.dtype) -> dict[str, Any]:
+    if dtype.itemsize == 1:  # no byte order to state
+        return {"name": "bytes"}
+    return {"name": "bytes", "configuration": {"endian": "little"}}
+
+
+def plain_array_document(
+    shape: Sequence[int], dtype: np.dtype, chunks: Sequence[int], shards: Sequence[int] | None,
+    attributes: dict[str, Any], dimension_names: Sequence[str],
+) -> dict[str, Any] | None:
+    """The ``zarr.json`` document zarr 3's ``create_array`` writes for an uncompressed array
+    (codecs ``bytes`` little endian + ``crc32c``, optionally inside ``sharding_indexed`` with a
+    ``bytes`` + ``crc32c`` index at the end; fill value 0; the default chunk key encoding), as
+    plain JSON values in zarr's key order; None for a data type it does not describe (then
+    ``create_array`` is used). ``tests/test_zarr_fast_metadata.py`` checks it equals zarr's for
+    every format lean_store stores."""
+    dtype = np.dtype(dtype)
+    if type(dtype).__module__ != "numpy.dtypes" or dtype.kind not in "biufc" \
+            or dtype.byteorder == ">":
+        return None
+    inner = [_bytes_codec(dtype), {"name": "crc32c"}]
+    if shards is None:
+        grid, codecs = list(chunks), inner
+    else:
+        grid = list(shards)
+        codecs = [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": [int(c) for c in chunks],
+            "codecs": inner,
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                             {"name": "crc32c"}],
+            "index_location": "end",
+        }}]
+    return {
+        "shape": [int(d) for d in shape],
+        "data_type": dtype.name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in grid]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": _fill_json(dtype),
+        "codecs": codecs,
+        "attributes": attributes,
+        "dimension_names": list(dimension_names),
+        "zarr_format": 3,
+        "node_type": "array",
+        "storage_transformers": [],
+    }
+
+
+def consolidated_group_document(
+    attributes: dict[str, Any], arrays: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """The root ``zarr.json`` that ``zarr.consolidate_metadata`` writes for a group whose
+    members are the arrays ``arrays`` (node -> metadata document), in zarr's key and member
+    order (by depth, then NFKC case-folded name)."""
+    def rank(key: str) -> tuple[int, str]:
+        return key.count("/"), unicodedata.normalize("NFKC", key).casefold()
+
+    order = sorted(arrays, key=rank)
+    return {
+        "attributes": attributes,
+        "zarr_format": 3,
+        "consolidated_metadata": {
+            "kind": "inline", "must_understand": False,
+            "metadata": {k: arrays[k] for k in order},
+        },
+        "node_type": "group",
+    }
+
+
+def json_document_bytes(doc: dict[str, Any]) -> bytes:
+    """``doc`` encoded as zarr encodes a ``zarr.json`` (its configured indent, NaN allowed)."""
+    return json.dumps(doc, indent=zarr.config.get("json_indent"), allow_nan=True).encode()
+
+
+def key_of_document(doc: dict[str, Any], coords: Sequence[int]) -> str:
+    """The store key (relative to the array) of the chunk (shard) at ``coords``, from the
+    array's metadata document (the spec's two chunk key encodings)."""
+    coords = tuple(int(c) for c in coords)
+    enc = doc.get("chunk_key_encoding", {})
+    sep = (enc.get("configuration") or {}).get("separator")
+    if enc.get("name") == "v2":
+        sep = sep or "."
+        return sep.join(map(str, coords)) if coords else "0"
+    sep = sep or "/"
+    return "c" + "".join(sep + str(c) for c in coords)
 
 
 # --------------------------------------------------------------------------------- stores
@@ -169,7 +268,9 @@ def crc32c_codec() -> Crc32cCodec:
 
 
 __all__ = [
-    "LEAN_ENCODER", "LeanCrc32cCodec", "chunk_key", "codec_documents", "crc32c_codec",
-    "local_root", "metadata_document", "plain_codecs", "regular_grid", "sharding_document",
+    "LEAN_ENCODER", "LeanCrc32cCodec", "chunk_key", "codec_documents",
+    "consolidated_group_document", "crc32c_codec", "json_document_bytes", "key_of_document",
+    "local_root", "metadata_document", "plain_array_document", "plain_codecs", "regular_grid",
+    "sharding_document",
     "store_and_prefix", "store_has",
 ]

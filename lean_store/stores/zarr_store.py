@@ -37,7 +37,14 @@ from ..hardening import (
 from ..incremental import linker_for
 from ..layout import Entry
 from ..replacement import PinnedRoot, SaveIdWatch, check_unchanged
-from ..zarr_compat import crc32c_codec, local_root
+from ..zarr_compat import (
+    consolidated_group_document,
+    crc32c_codec,
+    json_document_bytes,
+    local_root,
+    metadata_document,
+    plain_array_document,
+)
 from ..zarr_direct import DirectWriter, direct_ok
 from ..zarr_direct_read import DirectReader, direct_read_ok
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
@@ -136,12 +143,15 @@ def compressors_for(compression: Any) -> list[Any]:
 
 class ZarrTensorWriter(TensorWriter):
     def __init__(
-        self, array: zarr.Array, entry: Entry, chunks: tuple[int, ...], unit: tuple[int, ...],
+        self, array: Any, entry: Entry, chunks: tuple[int, ...], unit: tuple[int, ...],
         direct: DirectWriter | None = None, linker: Any = None,
+        written: dict[str, dict[str, Any]] | None = None, array_dir: Path | None = None,
     ) -> None:
-        self._array = array
+        self._array = array  # a zarr.Array, or (direct metadata) the document to write at close
         self._linker = linker  # incremental steps, compressed arrays: link equal files after
         self._direct = direct  # whole shard files written without zarr's copies
+        self._written = written  # node -> final metadata document, for the consolidated root
+        self._array_dir = array_dir
         self._native = native_dtype(entry.format)
         self._pairs = entry.format.words_per_value == 2 and self._native is None
         self.entry = entry
@@ -165,7 +175,18 @@ class ZarrTensorWriter(TensorWriter):
                     tuple(s.start // u for s, u in zip(region, self._unit))))
 
     def close(self, attrs: dict[str, Any]) -> None:
-        self._array.attrs.update(_plain(attrs))
+        from ..naming import node_name
+
+        if isinstance(self._array, dict):  # written once, with its final attributes
+            doc = {**self._array, "attributes": {**self._array["attributes"], **_plain(attrs)}}
+            assert self._array_dir is not None
+            self._array_dir.mkdir(exist_ok=True)
+            (self._array_dir / "zarr.json").write_bytes(json_document_bytes(doc))
+        else:
+            self._array.attrs.update(_plain(attrs))
+            doc = metadata_document(self._array)
+        if self._written is not None:
+            self._written[node_name(self.entry.name)] = doc
 
 
 def _plain(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -190,6 +211,8 @@ class ZarrWriter(StoreWriter):
         with self._creating():
             self._group = zarr.open_group(store=str(self.tmp_path), mode="w-", zarr_format=3)
         self._direct_root: Path | None = self.tmp_path  # None: write through zarr only
+        self._written: dict[str, dict[str, Any]] = {}  # node -> final metadata document
+        self._all_direct = True  # every array's document written by lean_store (the root too)
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         from ..naming import node_name
@@ -200,8 +223,20 @@ class ZarrWriter(StoreWriter):
         chunks = plan_chunks(shape, dtype.itemsize, self.chunk_bytes)
         n_chunks = math.prod(math.ceil(d / c) for d, c in zip(shape, chunks) if d)
         shards = grow_chunks(shape, chunks, SHARD_FACTOR) if n_chunks >= SHARD_MIN_CHUNKS else None
+        node = node_name(entry.name)
+        if self._direct_root is not None and self.compression in (None, False):
+            # lean_store's uncompressed layout: the metadata document is written at close,
+            # once, as create_array would write it; the chunk files by the direct writer
+            doc = plain_array_document(shape, dtype, chunks, shards, _plain(attrs),
+                                       dimension_names(entry))
+            if doc is not None and direct_ok(doc):
+                array_dir = self._direct_root / node
+                linker = linker_for(array_dir, node)  # incremental steps only
+                direct = DirectWriter(array_dir, doc, chunks, shards, dtype.itemsize, linker)
+                return ZarrTensorWriter(doc, entry, chunks, shards or chunks, direct,
+                                        written=self._written, array_dir=array_dir)
         array = self._group.create_array(
-            node_name(entry.name),
+            node,
             shape=shape,
             dtype=dtype,
             chunks=chunks,
@@ -213,18 +248,26 @@ class ZarrWriter(StoreWriter):
             dimension_names=dimension_names(entry),
             config={"write_empty_chunks": True},
         )
+        self._all_direct = False
         direct = None
         if self._direct_root is not None:
-            array_dir = self._direct_root / node_name(entry.name)
-            linker = linker_for(array_dir, node_name(entry.name))  # incremental steps only
+            array_dir = self._direct_root / node
+            linker = linker_for(array_dir, node)  # incremental steps only
             if self.compression in (None, False) and direct_ok(array):
                 direct = DirectWriter(array_dir, array, chunks, shards, dtype.itemsize, linker)
         else:
             linker = None
         return ZarrTensorWriter(array, entry, chunks, shards or chunks, direct,
-                                None if direct is not None else linker)
+                                None if direct is not None else linker, written=self._written)
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
+        if self._direct_root is not None and self._all_direct:
+            # every array's final document is known: the root carrying the consolidated
+            # metadata and ``complete`` is written once, last, without rereading the arrays
+            attrs = {**dict(self._group.attrs), **_plain(root_attrs), "complete": True}
+            doc = consolidated_group_document(attrs, self._written)
+            (self._direct_root / "zarr.json").write_bytes(json_document_bytes(doc))
+            return
         self._group.attrs.update(_plain(root_attrs))
         mark_complete(self._group)  # written last: a store without it is incomplete
 
