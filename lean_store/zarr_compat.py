@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _encode_str
 from pathlib import Path
 from typing import Any
 
@@ -167,8 +169,74 @@ def consolidated_group_document(
 
 
 def json_document_bytes(doc: dict[str, Any]) -> bytes:
-    """``doc`` encoded as zarr encodes a ``zarr.json`` (its configured indent, NaN allowed)."""
-    return json.dumps(doc, indent=zarr.config.get("json_indent"), allow_nan=True).encode()
+    """``doc`` encoded as zarr encodes a ``zarr.json``: ``json.dumps(doc, indent=<zarr's
+    json_indent>, allow_nan=True)``, byte for byte. With an indent, the standard library
+    encodes in pure Python through generators (~0.6 ms for one array's document); the same
+    text is built here by one recursive pass that hands every leaf to the C string encoder."""
+    indent = zarr.config.get("json_indent")
+    if not isinstance(indent, int) or isinstance(indent, bool) or indent < 0:
+        return json.dumps(doc, indent=indent, allow_nan=True).encode()
+    out: list[str] = []
+    try:
+        _encode_indented(doc, out, "\n", " " * indent)
+    except _Unusual:
+        return json.dumps(doc, indent=indent, allow_nan=True).encode()
+    return "".join(out).encode()
+
+
+class _Unusual(Exception):
+    """A value the fast encoder leaves to ``json.dumps`` (non-string keys, other types)."""
+
+
+_FLOAT_NAMES = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+def _encode_indented(value: Any, out: list[str], newline: str, step: str) -> None:
+    if isinstance(value, str):
+        out.append(_encode_str(value))
+    elif value is None:
+        out.append("null")
+    elif value is True:
+        out.append("true")
+    elif value is False:
+        out.append("false")
+    elif isinstance(value, int):
+        out.append(int.__repr__(value))
+    elif isinstance(value, float):
+        if value != value:
+            out.append("NaN")
+        else:
+            out.append(_FLOAT_NAMES.get(value) or float.__repr__(value))
+    elif isinstance(value, dict):
+        if not value:
+            out.append("{}")
+            return
+        inner = newline + step
+        out.append("{")
+        first = True
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise _Unusual
+            out.append(inner if first else "," + inner)
+            first = False
+            out.append(_encode_str(key))
+            out.append(": ")
+            _encode_indented(item, out, inner, step)
+        out.append(newline + "}")
+    elif isinstance(value, (list, tuple)):
+        if not value:
+            out.append("[]")
+            return
+        inner = newline + step
+        out.append("[")
+        first = True
+        for item in value:
+            out.append(inner if first else "," + inner)
+            first = False
+            _encode_indented(item, out, inner, step)
+        out.append(newline + "]")
+    else:
+        raise _Unusual
 
 
 def key_of_document(doc: dict[str, Any], coords: Sequence[int]) -> str:
