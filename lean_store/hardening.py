@@ -273,6 +273,20 @@ class LocalTree:
 
     root: Path
     files: dict[str, int] = field(default_factory=dict)  # key relative to root -> size
+    _by_node: dict[str, dict[str, int]] | None = None
+
+    def under(self, node: str) -> dict[str, int]:
+        """The files below ``node`` (key -> size), from one pass over the tree."""
+        if self._by_node is None:
+            self._by_node = {}
+            for key, size in self.files.items():
+                top, sep, _rest = key.partition("/")
+                if sep:
+                    self._by_node.setdefault(top, {})[key] = size
+        if "/" not in node:
+            return self._by_node.get(node, {})
+        prefix = f"{node}/"
+        return {k: v for k, v in self.files.items() if k.startswith(prefix)}
 
 
 def scan_local_zarr(root: Path) -> LocalTree:
@@ -316,6 +330,31 @@ def _check_zarr_json(path: Path, key: str, size: int) -> None:
     with path.open("rb") as f:
         raw = f.read(MAX_METADATA_BYTES + 1)
     check_json_depth(raw, key)
+
+
+def read_json_at(dir_fd: int, key: str) -> Any:
+    """The JSON document at ``key`` below the directory ``dir_fd`` (no link followed), with
+    the bounds of :func:`scan_local_zarr` (size, nesting) checked on the raw bytes before it is
+    parsed. Missing, unreadable or malformed: :class:`IntegrityError`."""
+    import json
+
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(key, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_METADATA_BYTES + 1)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
+    if len(raw) > MAX_METADATA_BYTES:
+        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
+    check_json_depth(raw, key)
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise IntegrityError(f"{key}: not valid JSON ({exc})") from None
 
 
 def check_zarr_key(key: str) -> None:
@@ -399,8 +438,7 @@ def check_zarr_present(node: str, array: Any, tree: LocalTree) -> None:
     """Every chunk (shard) file is present and, uncompressed, exactly the right size."""
     if math.prod(array.shape) == 0:
         return
-    prefix = f"{node}/"
-    present = {k: v for k, v in tree.files.items() if k.startswith(prefix)}
+    present = tree.under(node)
     for key, coords in zarr_chunk_keys(node, array, len(present)):
         got = present.get(key)
         if got is None:
@@ -451,5 +489,5 @@ __all__ = [
     "MAX_ATTR_BYTES", "MAX_CHUNK_BYTES", "MAX_JSON_DEPTH", "MAX_METADATA_BYTES",
     "check_checkpoint_path", "check_chunk_shape", "check_json_depth", "json_depth",
     "check_hdf5_present", "check_zarr_array", "check_zarr_key", "check_zarr_present",
-    "read_hdf5_attrs", "scan_local_zarr",
+    "read_hdf5_attrs", "read_json_at", "scan_local_zarr",
 ]

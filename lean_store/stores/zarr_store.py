@@ -31,6 +31,7 @@ from ..hardening import (
     check_zarr_key,
     check_zarr_keys_exist,
     check_zarr_present,
+    read_json_at,
     scan_local_zarr,
     touched_keys,
 )
@@ -309,6 +310,20 @@ class ZarrReader(StoreReader):
             raise IntegrityError(f"{source}: not a readable Zarr v3 group ({exc})") from None
         if self._root is None:
             self._watch = SaveIdWatch(self._group.store, self.root_attrs.get("save_id"))
+        # a local store with consolidated metadata: every array is described from the root
+        # document read once (no zarr.json per array read when the store opens); each array's
+        # own zarr.json is compared with its copy there when that tensor is first read
+        self._copies: dict[str, Any] | None = None
+        self._members: dict[str, zarr.Array] | None = None
+        if isinstance(self._watch, PinnedRoot) and self._tree is not None \
+                and self._group.metadata.consolidated_metadata is not None:
+            root_doc = read_json_at(self._watch.fd, "zarr.json")
+            attrs = root_doc.get("attributes") if isinstance(root_doc, dict) else None
+            if not isinstance(attrs, dict) or attrs.get("save_id") != self.root_attrs.get(
+                    "save_id"):  # the path now names another save than the directory pinned
+                raise IntegrityError("zarr.json: the root metadata changed while it was read")
+            copies = (root_doc.get("consolidated_metadata") or {}).get("metadata")
+            self._copies = copies if isinstance(copies, dict) else None
 
     def _replaced(self) -> bool:
         return self._watch is not None and self._watch.replaced()
@@ -352,11 +367,14 @@ class ZarrReader(StoreReader):
                 path = self._root / node
                 if path.is_symlink() or not path.resolve().is_relative_to(self._root.resolve()):
                     raise UnsafeFileError(f"{node!r} points outside the checkpoint")
-            try:  # the array's own zarr.json, whatever the consolidated metadata says
-                array = zarr.open_array(store=self._group.store, path=node, mode="r",
-                                        zarr_format=3)
-            except Exception as exc:
-                raise IntegrityError(f"array {node!r} is missing or unreadable ({exc})") from None
+            array = self._member(node)
+            if array is None:
+                try:  # the array's own zarr.json, whatever the consolidated metadata says
+                    array = zarr.open_array(store=self._group.store, path=node, mode="r",
+                                            zarr_format=3)
+                except Exception as exc:
+                    raise IntegrityError(
+                        f"array {node!r} is missing or unreadable ({exc})") from None
             if not isinstance(array, zarr.Array):
                 raise IntegrityError(f"{node!r} is not an array")
             check_zarr_array(node, array)
@@ -364,6 +382,41 @@ class ZarrReader(StoreReader):
                 check_zarr_present(node, array, self._tree)
             self._arrays[node] = array
         return array
+
+    def _member(self, node: str) -> zarr.Array | None:
+        """``node`` as described by the consolidated metadata (no read), when the store is
+        local and its root has a copy of ``node``'s metadata; else None."""
+        if self._copies is None or node not in self._copies:
+            return None
+        if self._members is None:
+            try:
+                self._members = dict(self._group.arrays())
+            except Exception as exc:
+                raise IntegrityError(f"unreadable consolidated metadata ({exc})") from None
+        return self._members.get(node)
+
+    def _check_own_document(self, node: str, array: zarr.Array) -> None:
+        """The array's own ``zarr.json`` (what zarr-python, TensorStore and h5-style tools read
+        without consolidated metadata) must equal its copy in the root, attributes included:
+        lean_store described the array from the copy."""
+        if self._copies is not None and node in self._copies and self._members is not None \
+                and self._members.get(node) is array:
+            assert isinstance(self._watch, PinnedRoot)
+            own = read_json_at(self._watch.fd, f"{node}/zarr.json")
+            if own != self._copies[node]:
+                raise IntegrityError(
+                    f"{node!r}: {node}/zarr.json disagrees with its copy in the consolidated "
+                    "metadata of the root zarr.json; the store was altered after it was written"
+                )
+        else:
+            check_consolidated(node, array, self._group)
+
+    def check_metadata(self, node: str) -> None:
+        """Check ``node``'s own metadata against the root's copy now (``verify``; reads do it
+        before their first data)."""
+        if node not in self._consistent:
+            self._check_own_document(node, self._array(node))
+            self._consistent.add(node)
 
     def stored(self, node: str) -> StoredTensor:
         array = self._array(node)
@@ -409,7 +462,7 @@ class ZarrReader(StoreReader):
         """(words, read from the pinned root directory)."""
         array = self._array(node)
         if node not in self._consistent:  # before any data: what other readers see agrees
-            check_consolidated(node, array, self._group)
+            self._check_own_document(node, array)
             self._consistent.add(node)
         words = fmt.words_per_value
         raw_pairs = words == 2 and native_dtype(fmt) is None
