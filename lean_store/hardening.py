@@ -291,7 +291,10 @@ class LocalTree:
 
 def scan_local_zarr(root: Path) -> LocalTree:
     """Walk a Zarr directory once, without following links: reject any symlink or special
-    file, and over-large metadata documents. The walk is bounded by what is on disk."""
+    file, and over-large metadata documents. The walk is bounded by what is on disk. The root
+    ``zarr.json``'s nesting is checked here; an array's own ``zarr.json`` is checked (size and
+    nesting) by whoever parses it: :func:`read_json_at`, or :func:`check_zarr_document` before
+    zarr opens the array."""
     tree = LocalTree(root)
     if not (root / "zarr.json").exists():
         return tree  # the zarr open that follows reports the missing metadata
@@ -318,17 +321,24 @@ def scan_local_zarr(root: Path) -> LocalTree:
             if not stat.S_ISREG(info.st_mode):
                 raise UnsafeFileError(f"{key}: {_kind_of(info.st_mode)} inside the checkpoint")
             if entry.name == "zarr.json":
-                _check_zarr_json(root / key, key, info.st_size)
+                if info.st_size > MAX_METADATA_BYTES:
+                    raise UnsafeFileError(f"{key}: {info.st_size} bytes of metadata")
+                if not prefix:
+                    check_zarr_document(root, key)
             tree.files[key] = info.st_size
     return tree
 
 
-def _check_zarr_json(path: Path, key: str, size: int) -> None:
-    """Bounded size and nesting, checked on the raw bytes before zarr parses them."""
-    if size > MAX_METADATA_BYTES:
-        raise UnsafeFileError(f"{key}: {size} bytes of metadata")
-    with path.open("rb") as f:
-        raw = f.read(MAX_METADATA_BYTES + 1)
+def check_zarr_document(root: Path, key: str) -> None:
+    """Bounded size and nesting of the metadata document ``key`` below ``root``, checked on
+    the raw bytes before zarr parses them."""
+    try:
+        with (root / key).open("rb") as f:
+            raw = f.read(MAX_METADATA_BYTES + 1)
+    except OSError:
+        return  # missing or unreadable: the zarr open that follows reports it
+    if len(raw) > MAX_METADATA_BYTES:
+        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
     check_json_depth(raw, key)
 
 
@@ -488,6 +498,7 @@ def zarr_grid(node: str, array: Any) -> tuple[int, ...]:
 __all__ = [
     "MAX_ATTR_BYTES", "MAX_CHUNK_BYTES", "MAX_JSON_DEPTH", "MAX_METADATA_BYTES",
     "check_checkpoint_path", "check_chunk_shape", "check_json_depth", "json_depth",
-    "check_hdf5_present", "check_zarr_array", "check_zarr_key", "check_zarr_present",
+    "check_hdf5_present", "check_zarr_array", "check_zarr_document", "check_zarr_key",
+    "check_zarr_present",
     "read_hdf5_attrs", "read_json_at", "scan_local_zarr",
 ]

@@ -28,6 +28,7 @@ from ..errors import CheckpointError, CheckpointReplacedError, IntegrityError, U
 from ..formats import ScalarFormat
 from ..hardening import (
     check_zarr_array,
+    check_zarr_document,
     check_zarr_key,
     check_zarr_keys_exist,
     check_zarr_present,
@@ -363,11 +364,12 @@ class ZarrReader(StoreReader):
         array = self._arrays.get(node)
         if array is None:
             check_zarr_key(node)
-            if self._root is not None:
+            array = self._member(node)  # the walk of the tree refused every link in it
+            if array is None and self._root is not None:
                 path = self._root / node
                 if path.is_symlink() or not path.resolve().is_relative_to(self._root.resolve()):
                     raise UnsafeFileError(f"{node!r} points outside the checkpoint")
-            array = self._member(node)
+                check_zarr_document(self._root, f"{node}/zarr.json")  # before zarr parses it
             if array is None:
                 try:  # the array's own zarr.json, whatever the consolidated metadata says
                     array = zarr.open_array(store=self._group.store, path=node, mode="r",
@@ -498,8 +500,12 @@ class ZarrReader(StoreReader):
     def _direct_reader(self, node: str, array: zarr.Array) -> DirectReader | None:
         if node not in self._direct:
             root = self._watch if isinstance(self._watch, PinnedRoot) else None
-            ok = root is not None and self._tree is not None and direct_read_ok(array)
-            self._direct[node] = DirectReader(root.fd, node, array) if ok else None
+            # described from the root's copy of its document (equal to its own zarr.json,
+            # checked before any data): no re-encoding of zarr's metadata objects
+            doc = self._copies.get(node) if self._copies is not None and \
+                self._members is not None and self._members.get(node) is array else None
+            ok = root is not None and self._tree is not None and direct_read_ok(array, doc)
+            self._direct[node] = DirectReader(root.fd, node, array, doc) if ok else None
         return self._direct[node]
 
     def close(self) -> None:
