@@ -233,7 +233,7 @@ class ZarrWriter(StoreWriter):
                                        dimension_names(entry))
             if doc is not None and direct_ok(doc):
                 array_dir = self._direct_root / node
-                linker = linker_for(array_dir, node)  # incremental steps only
+                linker = linker_for(array_dir, node, doc)  # incremental steps only
                 direct = DirectWriter(array_dir, doc, chunks, shards, dtype.itemsize, linker)
                 return ZarrTensorWriter(doc, entry, chunks, shards or chunks, direct,
                                         written=self._written, array_dir=array_dir)
@@ -316,8 +316,11 @@ class ZarrReader(StoreReader):
         # own zarr.json is compared with its copy there when that tensor is first read
         self._copies: dict[str, Any] | None = None
         self._members: dict[str, zarr.Array] | None = None
-        if isinstance(self._watch, PinnedRoot) and self._tree is not None \
-                and self._group.metadata.consolidated_metadata is not None:
+        if self._tree is not None and self._group.metadata.consolidated_metadata is None:
+            for key in self._tree.files:  # zarr parses every array's own document: bound them
+                if key.endswith("/zarr.json"):
+                    check_zarr_document(self._tree.root, key)
+        elif isinstance(self._watch, PinnedRoot) and self._tree is not None:
             root_doc = read_json_at(self._watch.fd, "zarr.json")
             attrs = root_doc.get("attributes") if isinstance(root_doc, dict) else None
             if not isinstance(attrs, dict) or attrs.get("save_id") != self.root_attrs.get(
