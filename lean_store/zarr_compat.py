@@ -148,10 +148,11 @@ def plain_array_document(
 
 
 def consolidated_group_document(
-    attributes: dict[str, Any], arrays: dict[str, dict[str, Any]],
+    attributes: dict[str, Any], arrays: dict[str, Any],
 ) -> dict[str, Any]:
     """The root ``zarr.json`` that ``zarr.consolidate_metadata`` writes for a group whose
-    members are the arrays ``arrays`` (node -> metadata document), in zarr's key and member
+    members are the arrays ``arrays`` (node -> metadata document, or its
+    :class:`EncodedDocument`), in zarr's key and member
     order (by depth, then NFKC case-folded name)."""
     def rank(key: str) -> tuple[int, str]:
         return key.count("/"), unicodedata.normalize("NFKC", key).casefold()
@@ -175,13 +176,31 @@ def json_document_bytes(doc: dict[str, Any]) -> bytes:
     text is built here by one recursive pass that hands every leaf to the C string encoder."""
     indent = zarr.config.get("json_indent")
     if not isinstance(indent, int) or isinstance(indent, bool) or indent < 0:
-        return json.dumps(doc, indent=indent, allow_nan=True).encode()
+        return json.dumps(_decoded(doc), indent=indent, allow_nan=True).encode()
     out: list[str] = []
     try:
         _encode_indented(doc, out, "\n", " " * indent)
     except _Unusual:
-        return json.dumps(doc, indent=indent, allow_nan=True).encode()
+        return json.dumps(_decoded(doc), indent=indent, allow_nan=True).encode()
     return "".join(out).encode()
+
+
+def encoded_document(doc: dict[str, Any]) -> EncodedDocument:
+    """``doc``'s text as :func:`json_document_bytes` writes it, to place in a larger one."""
+    return EncodedDocument(json_document_bytes(doc).decode())
+
+
+def _decoded(value: Any) -> Any:
+    if isinstance(value, EncodedDocument):
+        return json.loads(value)
+    if isinstance(value, dict):
+        return {k: _decoded(v) for k, v in value.items()}
+    return value
+
+
+class EncodedDocument(str):
+    """A document already encoded by :func:`json_document_bytes` (as text), placed as is in a
+    larger document (re-indented at its depth) instead of being encoded again."""
 
 
 class _Unusual(Exception):
@@ -192,7 +211,9 @@ _FLOAT_NAMES = {math.inf: "Infinity", -math.inf: "-Infinity"}
 
 
 def _encode_indented(value: Any, out: list[str], newline: str, step: str) -> None:
-    if isinstance(value, str):
+    if isinstance(value, EncodedDocument):  # JSON text holds no raw newline but its indents
+        out.append(value.replace("\n", newline))
+    elif isinstance(value, str):
         out.append(_encode_str(value))
     elif value is None:
         out.append("null")
@@ -337,7 +358,8 @@ def crc32c_codec() -> Crc32cCodec:
 
 __all__ = [
     "LEAN_ENCODER", "LeanCrc32cCodec", "chunk_key", "codec_documents",
-    "consolidated_group_document", "crc32c_codec", "json_document_bytes", "key_of_document",
+    "EncodedDocument", "consolidated_group_document", "crc32c_codec", "encoded_document",
+    "json_document_bytes", "key_of_document",
     "local_root", "metadata_document", "plain_array_document", "plain_codecs", "regular_grid",
     "sharding_document",
     "store_and_prefix", "store_has",

@@ -115,6 +115,17 @@ def test_document_encoder_equals_json_dumps(value: dict, indent: int) -> None:
         assert zarr_compat.json_document_bytes(value) == expected
 
 
+@pytest.mark.parametrize("indent", [2, 0, 3])
+def test_encoded_document_placed_in_a_larger_one(indent: int) -> None:
+    inner = {"shape": [3, 4], "attributes": {"s": "a\nb", "n": {}}, "codecs": [{"name": "x"}]}
+    outer = {"attributes": {"k": 1}, "metadata": {"a": inner, "b": {"shape": []}}}
+    with zarr.config.set({"json_indent": indent}):
+        placed = {"attributes": {"k": 1}, "metadata": {
+            "a": zarr_compat.encoded_document(inner), "b": {"shape": []}}}
+        expected = json.dumps(outer, indent=indent, allow_nan=True).encode()
+        assert zarr_compat.json_document_bytes(placed) == expected
+
+
 def test_stock_readers_read_the_store(tmp_path: Path) -> None:
     path = tmp_path / "ck.zarr"
     ls.save(STATE, path, chunk_bytes=1024)

@@ -42,6 +42,7 @@ from ..replacement import PinnedRoot, SaveIdWatch, check_unchanged
 from ..zarr_compat import (
     consolidated_group_document,
     crc32c_codec,
+    encoded_document,
     json_document_bytes,
     local_root,
     metadata_document,
@@ -147,7 +148,7 @@ class ZarrTensorWriter(TensorWriter):
     def __init__(
         self, array: Any, entry: Entry, chunks: tuple[int, ...], unit: tuple[int, ...],
         direct: DirectWriter | None = None, linker: Any = None,
-        written: dict[str, dict[str, Any]] | None = None, array_dir: Path | None = None,
+        written: dict[str, Any] | None = None, array_dir: Path | None = None,
     ) -> None:
         self._array = array  # a zarr.Array, or (direct metadata) the document to write at close
         self._linker = linker  # incremental steps, compressed arrays: link equal files after
@@ -182,13 +183,15 @@ class ZarrTensorWriter(TensorWriter):
         if isinstance(self._array, dict):  # written once, with its final attributes
             doc = {**self._array, "attributes": {**self._array["attributes"], **_plain(attrs)}}
             assert self._array_dir is not None
+            text = encoded_document(doc)  # encoded once: this file, and the root's copy
             self._array_dir.mkdir(exist_ok=True)
-            (self._array_dir / "zarr.json").write_bytes(json_document_bytes(doc))
-        else:
-            self._array.attrs.update(_plain(attrs))
-            doc = metadata_document(self._array)
+            (self._array_dir / "zarr.json").write_bytes(text.encode())
+            if self._written is not None:
+                self._written[node_name(self.entry.name)] = text
+            return
+        self._array.attrs.update(_plain(attrs))
         if self._written is not None:
-            self._written[node_name(self.entry.name)] = doc
+            self._written[node_name(self.entry.name)] = metadata_document(self._array)
 
 
 def _plain(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -213,7 +216,7 @@ class ZarrWriter(StoreWriter):
         with self._creating():
             self._group = zarr.open_group(store=str(self.tmp_path), mode="w-", zarr_format=3)
         self._direct_root: Path | None = self.tmp_path  # None: write through zarr only
-        self._written: dict[str, dict[str, Any]] = {}  # node -> final metadata document
+        self._written: dict[str, Any] = {}  # node -> final metadata document (or its text)
         self._all_direct = True  # every array's document written by lean_store (the root too)
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
@@ -420,7 +423,11 @@ class ZarrReader(StoreReader):
         """Check ``node``'s own metadata against the root's copy now (``verify``; reads do it
         before their first data)."""
         if node not in self._consistent:
-            self._check_own_document(node, self._array(node))
+            try:
+                self._check_own_document(node, self._array(node))
+            except IntegrityError:
+                self.check_current()  # a file of the opened tree deleted by a save: not damage
+                raise
             self._consistent.add(node)
 
     def stored(self, node: str) -> StoredTensor:
