@@ -102,6 +102,18 @@ def test_compressed_still_through_zarr(tmp_path: Path) -> None:
     assert np.array_equal(loaded["f64"], STATE["f64"])
 
 
+def test_url_store_written_through_zarr(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/ck.zarr"
+    ls.save(STATE, url, chunk_bytes=1024)
+    loaded = ls.load_state(url)
+    for name, value in STATE.items():
+        assert np.asarray(loaded[name]).tobytes() == np.asarray(value).tobytes(), name
+    root = json.loads((tmp_path / "ck.zarr" / "zarr.json").read_text())
+    assert root["attributes"]["complete"] is True
+    assert sorted(root["consolidated_metadata"]["metadata"]) == sorted(
+        p.name for p in (tmp_path / "ck.zarr").iterdir() if p.is_dir())
+
+
 @pytest.mark.parametrize("value", [
     {"a": [1.5, float("nan"), math.inf, -math.inf, True, False, None, "é\n\"\\", [], {}],
      "ü": -0.0, "big": 10**30, "tiny": 5e-324, "nested": {"b": {"c": [[1], [2, [3]]]}}},

@@ -209,6 +209,11 @@ def _plain(attrs: dict[str, Any]) -> dict[str, Any]:
 class ZarrWriter(StoreWriter):
     backend = "zarr"
     makes_directory = True
+    # a local store's writer (set in __init__): node -> final metadata document (or its text),
+    # and whether every array's document was written by lean_store (then the root is too);
+    # other writers (URLs) go through zarr for all metadata
+    _written: dict[str, Any] | None = None
+    _all_direct = False
 
     def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None):
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
@@ -216,8 +221,8 @@ class ZarrWriter(StoreWriter):
         with self._creating():
             self._group = zarr.open_group(store=str(self.tmp_path), mode="w-", zarr_format=3)
         self._direct_root: Path | None = self.tmp_path  # None: write through zarr only
-        self._written: dict[str, Any] = {}  # node -> final metadata document (or its text)
-        self._all_direct = True  # every array's document written by lean_store (the root too)
+        self._written = {}
+        self._all_direct = True
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         from ..naming import node_name
@@ -266,7 +271,7 @@ class ZarrWriter(StoreWriter):
                                 None if direct is not None else linker, written=self._written)
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
-        if self._direct_root is not None and self._all_direct:
+        if self._direct_root is not None and self._all_direct and self._written is not None:
             # every array's final document is known: the root carrying the consolidated
             # metadata and ``complete`` is written once, last, without rereading the arrays
             attrs = {**dict(self._group.attrs), **_plain(root_attrs), "complete": True}
