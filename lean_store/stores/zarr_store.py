@@ -336,6 +336,11 @@ class ZarrReader(StoreReader):
                 raise IntegrityError("zarr.json: the root metadata changed while it was read")
             copies = (root_doc.get("consolidated_metadata") or {}).get("metadata")
             self._copies = copies if isinstance(copies, dict) else None
+            if self._copies is not None:  # built from the copies, no reads; once, before threads
+                try:
+                    self._members = dict(self._group.arrays())
+                except Exception as exc:
+                    raise IntegrityError(f"unreadable consolidated metadata ({exc})") from None
 
     def _replaced(self) -> bool:
         return self._watch is not None and self._watch.replaced()
@@ -399,13 +404,8 @@ class ZarrReader(StoreReader):
     def _member(self, node: str) -> zarr.Array | None:
         """``node`` as described by the consolidated metadata (no read), when the store is
         local and its root has a copy of ``node``'s metadata; else None."""
-        if self._copies is None or node not in self._copies:
+        if self._copies is None or self._members is None or node not in self._copies:
             return None
-        if self._members is None:
-            try:
-                self._members = dict(self._group.arrays())
-            except Exception as exc:
-                raise IntegrityError(f"unreadable consolidated metadata ({exc})") from None
         return self._members.get(node)
 
     def _check_own_document(self, node: str, array: zarr.Array) -> None:
