@@ -549,7 +549,10 @@ class Checkpoint(Mapping[str, TensorHandle]):
 
     def verify(self) -> None:
         """Read every tensor and check every chunk checksum and digest."""
+        check_metadata = getattr(self._reader, "check_metadata", None)  # Zarr: own zarr.json
         for entry in self.layout:
+            if check_metadata is not None:
+                check_metadata(self._stored[entry.name].node)
             with self._reader.checks_deferred():
                 for _ in self.iter_bits(entry, reuse=True):
                     pass

@@ -273,11 +273,28 @@ class LocalTree:
 
     root: Path
     files: dict[str, int] = field(default_factory=dict)  # key relative to root -> size
+    _by_node: dict[str, dict[str, int]] | None = None
+
+    def under(self, node: str) -> dict[str, int]:
+        """The files below ``node`` (key -> size), from one pass over the tree."""
+        if self._by_node is None:
+            self._by_node = {}
+            for key, size in self.files.items():
+                top, sep, _rest = key.partition("/")
+                if sep:
+                    self._by_node.setdefault(top, {})[key] = size
+        if "/" not in node:
+            return self._by_node.get(node, {})
+        prefix = f"{node}/"
+        return {k: v for k, v in self.files.items() if k.startswith(prefix)}
 
 
 def scan_local_zarr(root: Path) -> LocalTree:
     """Walk a Zarr directory once, without following links: reject any symlink or special
-    file, and over-large metadata documents. The walk is bounded by what is on disk."""
+    file, and over-large metadata documents. The walk is bounded by what is on disk. The root
+    ``zarr.json``'s nesting is checked here; an array's own ``zarr.json`` is checked (size and
+    nesting) by whoever parses it: :func:`read_json_at`, or :func:`check_zarr_document` before
+    zarr opens the array."""
     tree = LocalTree(root)
     if not (root / "zarr.json").exists():
         return tree  # the zarr open that follows reports the missing metadata
@@ -304,18 +321,50 @@ def scan_local_zarr(root: Path) -> LocalTree:
             if not stat.S_ISREG(info.st_mode):
                 raise UnsafeFileError(f"{key}: {_kind_of(info.st_mode)} inside the checkpoint")
             if entry.name == "zarr.json":
-                _check_zarr_json(root / key, key, info.st_size)
+                if info.st_size > MAX_METADATA_BYTES:
+                    raise UnsafeFileError(f"{key}: {info.st_size} bytes of metadata")
+                if not prefix:
+                    check_zarr_document(root, key)
             tree.files[key] = info.st_size
     return tree
 
 
-def _check_zarr_json(path: Path, key: str, size: int) -> None:
-    """Bounded size and nesting, checked on the raw bytes before zarr parses them."""
-    if size > MAX_METADATA_BYTES:
-        raise UnsafeFileError(f"{key}: {size} bytes of metadata")
-    with path.open("rb") as f:
-        raw = f.read(MAX_METADATA_BYTES + 1)
+def check_zarr_document(root: Path, key: str) -> None:
+    """Bounded size and nesting of the metadata document ``key`` below ``root``, checked on
+    the raw bytes before zarr parses them."""
+    try:
+        with (root / key).open("rb") as f:
+            raw = f.read(MAX_METADATA_BYTES + 1)
+    except OSError:
+        return  # missing or unreadable: the zarr open that follows reports it
+    if len(raw) > MAX_METADATA_BYTES:
+        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
     check_json_depth(raw, key)
+
+
+def read_json_at(dir_fd: int, key: str) -> Any:
+    """The JSON document at ``key`` below the directory ``dir_fd`` (no link followed), with
+    the bounds of :func:`scan_local_zarr` (size, nesting) checked on the raw bytes before it is
+    parsed. Missing, unreadable or malformed: :class:`IntegrityError`."""
+    import json
+
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(key, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_METADATA_BYTES + 1)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
+    if len(raw) > MAX_METADATA_BYTES:
+        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
+    check_json_depth(raw, key)
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise IntegrityError(f"{key}: not valid JSON ({exc})") from None
 
 
 def check_zarr_key(key: str) -> None:
@@ -399,8 +448,7 @@ def check_zarr_present(node: str, array: Any, tree: LocalTree) -> None:
     """Every chunk (shard) file is present and, uncompressed, exactly the right size."""
     if math.prod(array.shape) == 0:
         return
-    prefix = f"{node}/"
-    present = {k: v for k, v in tree.files.items() if k.startswith(prefix)}
+    present = tree.under(node)
     for key, coords in zarr_chunk_keys(node, array, len(present)):
         got = present.get(key)
         if got is None:
@@ -450,6 +498,7 @@ def zarr_grid(node: str, array: Any) -> tuple[int, ...]:
 __all__ = [
     "MAX_ATTR_BYTES", "MAX_CHUNK_BYTES", "MAX_JSON_DEPTH", "MAX_METADATA_BYTES",
     "check_checkpoint_path", "check_chunk_shape", "check_json_depth", "json_depth",
-    "check_hdf5_present", "check_zarr_array", "check_zarr_key", "check_zarr_present",
-    "read_hdf5_attrs", "scan_local_zarr",
+    "check_hdf5_present", "check_zarr_array", "check_zarr_document", "check_zarr_key",
+    "check_zarr_present",
+    "read_hdf5_attrs", "read_json_at", "scan_local_zarr",
 ]

@@ -73,9 +73,11 @@ def linking_from(base: str | os.PathLike | None) -> Iterator[IncrementalStats]:
         _BASE.reset(token)
 
 
-def linker_for(new_array_dir: Path, node: str) -> UnitLinker | None:
+def linker_for(new_array_dir: Path, node: str, metadata: dict[str, Any] | None = None
+               ) -> UnitLinker | None:
     """The linker of one array being written at ``new_array_dir``, or None when no base is
-    active or the base has no array ``node`` with the same metadata."""
+    active or the base has no array ``node`` with the same metadata (``metadata``: the new
+    array's document when its ``zarr.json`` is not written yet)."""
     base = _BASE.get()
     if base is None:
         return None
@@ -83,7 +85,11 @@ def linker_for(new_array_dir: Path, node: str) -> UnitLinker | None:
     try:
         if base_dir.is_symlink() or not base_dir.is_dir():
             return None
-        old, new = _metadata(base_dir), _metadata(new_array_dir)
+        old = _metadata(base_dir)
+        if metadata is None:
+            new = _metadata(new_array_dir)
+        else:
+            new = {k: v for k, v in metadata.items() if k != "attributes"}
     except (OSError, ValueError):
         return None
     if old is None or old != new:

@@ -39,7 +39,8 @@ def _crc_bytes(data: Any) -> bytes:
 
 
 class DirectWriter:
-    """Writes whole shards (or whole unsharded chunks) of one zarr array as files."""
+    """Writes whole shards (or whole unsharded chunks) of one zarr array as files; ``array`` is
+    the zarr array or its metadata document (``zarr_compat.plain_array_document``)."""
 
     def __init__(
         self, root: Path, array: Any, chunks: tuple[int, ...], shards: tuple[int, ...] | None,
@@ -48,7 +49,6 @@ class DirectWriter:
         self._root = root
         self._array = array
         self._linker = linker  # incremental steps: a lean_store.incremental.UnitLinker
-        self._shape = tuple(array.shape)
         self._chunks = chunks
         self._shards = shards
         self._chunk_nbytes = math.prod(chunks) * itemsize

@@ -22,19 +22,31 @@ import numpy as np
 
 from .chunking import touched_cells
 from .errors import IntegrityError
-from .zarr_compat import chunk_key, regular_grid
+from .zarr_compat import chunk_key, regular_grid, sharding_document
 from .zarr_direct import direct_ok
 
 _EMPTY = 2**64 - 1
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def direct_read_ok(array: Any) -> bool:
-    """True when ``array`` is stored in the layout :class:`DirectReader` reads."""
-    outer = regular_grid(array)
-    if not direct_ok(array) or outer is None:
+def _inner_chunks(doc: dict[str, Any]) -> tuple[int, ...] | None:
+    shard = sharding_document(doc)
+    shape = (shard or {}).get("chunk_shape") if shard is not None else regular_grid(doc)
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(c, int) for c in shape):
+        return None
+    return tuple(shape)
+
+
+def direct_read_ok(array: Any, doc: dict[str, Any] | None = None) -> bool:
+    """True when ``array`` is stored in the layout :class:`DirectReader` reads. ``doc``: the
+    array's metadata document, when the caller has it (else it is built from ``array``)."""
+    desc = array if doc is None else doc
+    outer = regular_grid(desc)
+    if not direct_ok(desc) or outer is None:
         return False
     inner = tuple(int(c) for c in array.chunks)
+    if doc is not None and _inner_chunks(doc) != inner:
+        return False
     if len(outer) != len(inner) or any(o % c for o, c in zip(outer, inner)):
         return False
     return sum(o != c for o, c in zip(outer, inner)) <= 1  # one chunk axis: plain order
@@ -45,12 +57,13 @@ class DirectReader:
     relative to the store's root directory ``root_fd``: the tree that directory was when
     opened, even after a save has renamed another one into its place."""
 
-    def __init__(self, root_fd: int, node: str, array: Any) -> None:
+    def __init__(self, root_fd: int, node: str, array: Any, doc: dict[str, Any] | None = None
+                 ) -> None:
         self._root_fd = root_fd
         self._node = node
         self._shape = tuple(int(d) for d in array.shape)
         self._chunks = tuple(int(c) for c in array.chunks)
-        self._outer = regular_grid(array) or self._chunks
+        self._outer = regular_grid(array if doc is None else doc) or self._chunks
         self._sharded = self._outer != self._chunks
         self._per_shard = tuple(o // c for o, c in zip(self._outer, self._chunks))
         self._slots = math.prod(self._per_shard)

@@ -334,6 +334,16 @@ def _zarr_shards(path: Path, node: str) -> tuple[Path, dict]:
     return meta_path, json.loads(meta_path.read_text())
 
 
+def _write_zarr_meta(meta_path: Path, meta: dict) -> None:
+    """An array's altered zarr.json, and its copy in the root's consolidated metadata (which
+    the reader describes the array from): a consistent edit."""
+    meta_path.write_text(json.dumps(meta))
+    root_path = meta_path.parent.parent / "zarr.json"
+    root = json.loads(root_path.read_text())
+    root["consolidated_metadata"]["metadata"][meta_path.parent.name] = meta
+    root_path.write_text(json.dumps(root))
+
+
 def _tamper(out: Path) -> None:
     import shutil
 
@@ -348,7 +358,7 @@ def _tamper(out: Path) -> None:
         else:
             del shards[2]
         meta["attributes"]["shards"] = json.dumps(shards)
-        meta_path.write_text(json.dumps(meta))
+        _write_zarr_meta(meta_path, meta)
     shutil.copytree(out / "ck.h5", out / "overlap.h5")
     with h5py.File(out / "overlap.h5" / "lean_store.h5", "r+") as f:
         shards = json.loads(f["0.weight"].attrs["shards"])
@@ -358,11 +368,11 @@ def _tamper(out: Path) -> None:
     shutil.copytree(out / "ck.zarr", out / "corrupt.zarr")
     _meta_path, meta = _zarr_shards(out / "corrupt.zarr", "0.weight")
     shards = json.loads(meta["attributes"]["shards"])
-    _meta_path.write_text(json.dumps(meta))
+    _write_zarr_meta(_meta_path, meta)
     # flip the recorded digest of one shard: the data no longer matches it
     shards[3]["crc32c"] ^= 1
     meta["attributes"]["shards"] = json.dumps(shards)
-    _meta_path.write_text(json.dumps(meta))
+    _write_zarr_meta(_meta_path, meta)
 
 
 # ------------------------------------------------------------------------- tests

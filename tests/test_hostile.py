@@ -237,7 +237,11 @@ def test_zarr_consistent_huge_claim_without_data_is_not_allocated(zdir):
         meta["shape"] = shape
         meta["attributes"]["shape"] = shape
 
-    _edit_json(zdir / "zarr.json", lambda m: _set_layout_shape(m, "w", shape))
+    def grow_root(meta):  # the layout and the consolidated copy, consistently
+        _set_layout_shape(meta, "w", shape)
+        grow(meta["consolidated_metadata"]["metadata"]["w"])
+
+    _edit_json(zdir / "zarr.json", grow_root)
     _edit_json(zdir / "w" / "zarr.json", grow)
     _rejected(zdir, ls.IntegrityError, "chunk files are present")
 

@@ -27,16 +27,27 @@ from ..errors import CheckpointError, CheckpointReplacedError, IntegrityError, U
 from ..formats import ScalarFormat
 from ..hardening import (
     check_zarr_array,
+    check_zarr_document,
     check_zarr_key,
     check_zarr_keys_exist,
     check_zarr_present,
+    read_json_at,
     scan_local_zarr,
     touched_keys,
 )
 from ..incremental import linker_for
 from ..layout import Entry
 from ..replacement import PinnedRoot, SaveIdWatch, check_unchanged
-from ..zarr_compat import ZarrUserWarning, crc32c_codec, local_root
+from ..zarr_compat import (
+    ZarrUserWarning,
+    consolidated_group_document,
+    crc32c_codec,
+    encoded_document,
+    json_document_bytes,
+    local_root,
+    metadata_document,
+    plain_array_document,
+)
 from ..zarr_direct import DirectWriter, direct_ok
 from ..zarr_direct_read import DirectReader, direct_read_ok
 from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
@@ -135,12 +146,15 @@ def compressors_for(compression: Any) -> list[Any]:
 
 class ZarrTensorWriter(TensorWriter):
     def __init__(
-        self, array: zarr.Array, entry: Entry, chunks: tuple[int, ...], unit: tuple[int, ...],
+        self, array: Any, entry: Entry, chunks: tuple[int, ...], unit: tuple[int, ...],
         direct: DirectWriter | None = None, linker: Any = None,
+        written: dict[str, Any] | None = None, array_dir: Path | None = None,
     ) -> None:
-        self._array = array
+        self._array = array  # a zarr.Array, or (direct metadata) the document to write at close
         self._linker = linker  # incremental steps, compressed arrays: link equal files after
         self._direct = direct  # whole shard files written without zarr's copies
+        self._written = written  # node -> final metadata document, for the consolidated root
+        self._array_dir = array_dir
         self._native = native_dtype(entry.format)
         self._pairs = entry.format.words_per_value == 2 and self._native is None
         self.entry = entry
@@ -164,7 +178,20 @@ class ZarrTensorWriter(TensorWriter):
                     tuple(s.start // u for s, u in zip(region, self._unit))))
 
     def close(self, attrs: dict[str, Any]) -> None:
+        from ..naming import node_name
+
+        if isinstance(self._array, dict):  # written once, with its final attributes
+            doc = {**self._array, "attributes": {**self._array["attributes"], **_plain(attrs)}}
+            assert self._array_dir is not None
+            text = encoded_document(doc)  # encoded once: this file, and the root's copy
+            self._array_dir.mkdir(exist_ok=True)
+            (self._array_dir / "zarr.json").write_bytes(text.encode())
+            if self._written is not None:
+                self._written[node_name(self.entry.name)] = text
+            return
         self._array.attrs.update(_plain(attrs))
+        if self._written is not None:
+            self._written[node_name(self.entry.name)] = metadata_document(self._array)
 
 
 def _plain(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +209,11 @@ def _plain(attrs: dict[str, Any]) -> dict[str, Any]:
 class ZarrWriter(StoreWriter):
     backend = "zarr"
     makes_directory = True
+    # a local store's writer (set in __init__): node -> final metadata document (or its text),
+    # and whether every array's document was written by lean_store (then the root is too);
+    # other writers (URLs) go through zarr for all metadata
+    _written: dict[str, Any] | None = None
+    _all_direct = False
 
     def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None):
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
@@ -189,6 +221,8 @@ class ZarrWriter(StoreWriter):
         with self._creating():
             self._group = zarr.open_group(store=str(self.tmp_path), mode="w-", zarr_format=3)
         self._direct_root: Path | None = self.tmp_path  # None: write through zarr only
+        self._written = {}
+        self._all_direct = True
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         from ..naming import node_name
@@ -199,8 +233,20 @@ class ZarrWriter(StoreWriter):
         chunks = plan_chunks(shape, dtype.itemsize, self.chunk_bytes)
         n_chunks = math.prod(math.ceil(d / c) for d, c in zip(shape, chunks) if d)
         shards = grow_chunks(shape, chunks, SHARD_FACTOR) if n_chunks >= SHARD_MIN_CHUNKS else None
+        node = node_name(entry.name)
+        if self._direct_root is not None and self.compression in (None, False):
+            # lean_store's uncompressed layout: the metadata document is written at close,
+            # once, as create_array would write it; the chunk files by the direct writer
+            doc = plain_array_document(shape, dtype, chunks, shards, _plain(attrs),
+                                       dimension_names(entry))
+            if doc is not None and direct_ok(doc):
+                array_dir = self._direct_root / node
+                linker = linker_for(array_dir, node, doc)  # incremental steps only
+                direct = DirectWriter(array_dir, doc, chunks, shards, dtype.itemsize, linker)
+                return ZarrTensorWriter(doc, entry, chunks, shards or chunks, direct,
+                                        written=self._written, array_dir=array_dir)
         array = self._group.create_array(
-            node_name(entry.name),
+            node,
             shape=shape,
             dtype=dtype,
             chunks=chunks,
@@ -212,18 +258,26 @@ class ZarrWriter(StoreWriter):
             dimension_names=dimension_names(entry),
             config={"write_empty_chunks": True},
         )
-        direct = None
+        self._all_direct = False
+        direct: DirectWriter | None = None
         if self._direct_root is not None:
-            array_dir = self._direct_root / node_name(entry.name)
-            linker = linker_for(array_dir, node_name(entry.name))  # incremental steps only
+            array_dir = self._direct_root / node
+            linker = linker_for(array_dir, node)  # incremental steps only
             if self.compression in (None, False) and direct_ok(array):
                 direct = DirectWriter(array_dir, array, chunks, shards, dtype.itemsize, linker)
         else:
             linker = None
         return ZarrTensorWriter(array, entry, chunks, shards or chunks, direct,
-                                None if direct is not None else linker)
+                                None if direct is not None else linker, written=self._written)
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
+        if self._direct_root is not None and self._all_direct and self._written is not None:
+            # every array's final document is known: the root carrying the consolidated
+            # metadata and ``complete`` is written once, last, without rereading the arrays
+            attrs = {**dict(self._group.attrs), **_plain(root_attrs), "complete": True}
+            doc = consolidated_group_document(attrs, self._written)
+            (self._direct_root / "zarr.json").write_bytes(json_document_bytes(doc))
+            return
         self._group.attrs.update(_plain(root_attrs))
         mark_complete(self._group)  # written last: a store without it is incomplete
 
@@ -265,6 +319,28 @@ class ZarrReader(StoreReader):
             raise IntegrityError(f"{source}: not a readable Zarr v3 group ({exc})") from None
         if self._root is None:
             self._watch = SaveIdWatch(self._group.store, self.root_attrs.get("save_id"))
+        # a local store with consolidated metadata: every array is described from the root
+        # document read once (no zarr.json per array read when the store opens); each array's
+        # own zarr.json is compared with its copy there when that tensor is first read
+        self._copies: dict[str, Any] | None = None
+        self._members: dict[str, zarr.Array] | None = None
+        if self._tree is not None and self._group.metadata.consolidated_metadata is None:
+            for key in self._tree.files:  # zarr parses every array's own document: bound them
+                if key.endswith("/zarr.json"):
+                    check_zarr_document(self._tree.root, key)
+        elif isinstance(self._watch, PinnedRoot) and self._tree is not None:
+            root_doc = read_json_at(self._watch.fd, "zarr.json")
+            attrs = root_doc.get("attributes") if isinstance(root_doc, dict) else None
+            if not isinstance(attrs, dict) or attrs.get("save_id") != self.root_attrs.get(
+                    "save_id"):  # the path now names another save than the directory pinned
+                raise IntegrityError("zarr.json: the root metadata changed while it was read")
+            copies = (root_doc.get("consolidated_metadata") or {}).get("metadata")
+            self._copies = copies if isinstance(copies, dict) else None
+            if self._copies is not None:  # built from the copies, no reads; once, before threads
+                try:
+                    self._members = dict(self._group.arrays())
+                except Exception as exc:
+                    raise IntegrityError(f"unreadable consolidated metadata ({exc})") from None
 
     def _replaced(self) -> bool:
         return self._watch is not None and self._watch.replaced()
@@ -304,15 +380,19 @@ class ZarrReader(StoreReader):
         array = self._arrays.get(node)
         if array is None:
             check_zarr_key(node)
-            if self._root is not None:
+            array = self._member(node)  # the walk of the tree refused every link in it
+            if array is None and self._root is not None:
                 path = self._root / node
                 if path.is_symlink() or not path.resolve().is_relative_to(self._root.resolve()):
                     raise UnsafeFileError(f"{node!r} points outside the checkpoint")
-            try:  # the array's own zarr.json, whatever the consolidated metadata says
-                array = zarr.open_array(store=self._group.store, path=node, mode="r",
-                                        zarr_format=3)
-            except Exception as exc:
-                raise IntegrityError(f"array {node!r} is missing or unreadable ({exc})") from None
+                check_zarr_document(self._root, f"{node}/zarr.json")  # before zarr parses it
+            if array is None:
+                try:  # the array's own zarr.json, whatever the consolidated metadata says
+                    array = zarr.open_array(store=self._group.store, path=node, mode="r",
+                                            zarr_format=3)
+                except Exception as exc:
+                    raise IntegrityError(
+                        f"array {node!r} is missing or unreadable ({exc})") from None
             if not isinstance(array, zarr.Array):
                 raise IntegrityError(f"{node!r} is not an array")
             check_zarr_array(node, array)
@@ -320,6 +400,40 @@ class ZarrReader(StoreReader):
                 check_zarr_present(node, array, self._tree)
             self._arrays[node] = array
         return array
+
+    def _member(self, node: str) -> zarr.Array | None:
+        """``node`` as described by the consolidated metadata (no read), when the store is
+        local and its root has a copy of ``node``'s metadata; else None."""
+        if self._copies is None or self._members is None or node not in self._copies:
+            return None
+        return self._members.get(node)
+
+    def _check_own_document(self, node: str, array: zarr.Array) -> None:
+        """The array's own ``zarr.json`` (what zarr-python, TensorStore and h5-style tools read
+        without consolidated metadata) must equal its copy in the root, attributes included:
+        lean_store described the array from the copy."""
+        if self._copies is not None and node in self._copies and self._members is not None \
+                and self._members.get(node) is array:
+            assert isinstance(self._watch, PinnedRoot)
+            own = read_json_at(self._watch.fd, f"{node}/zarr.json")
+            if own != self._copies[node]:
+                raise IntegrityError(
+                    f"{node!r}: {node}/zarr.json disagrees with its copy in the consolidated "
+                    "metadata of the root zarr.json; the store was altered after it was written"
+                )
+        else:
+            check_consolidated(node, array, self._group)
+
+    def check_metadata(self, node: str) -> None:
+        """Check ``node``'s own metadata against the root's copy now (``verify``; reads do it
+        before their first data)."""
+        if node not in self._consistent:
+            try:
+                self._check_own_document(node, self._array(node))
+            except IntegrityError:
+                self.check_current()  # a file of the opened tree deleted by a save: not damage
+                raise
+            self._consistent.add(node)
 
     def stored(self, node: str) -> StoredTensor:
         array = self._array(node)
@@ -365,7 +479,7 @@ class ZarrReader(StoreReader):
         """(words, read from the pinned root directory)."""
         array = self._array(node)
         if node not in self._consistent:  # before any data: what other readers see agrees
-            check_consolidated(node, array, self._group)
+            self._check_own_document(node, array)
             self._consistent.add(node)
         per_value = fmt.words_per_value
         raw_pairs = per_value == 2 and native_dtype(fmt) is None
@@ -401,8 +515,13 @@ class ZarrReader(StoreReader):
     def _direct_reader(self, node: str, array: zarr.Array) -> DirectReader | None:
         if node not in self._direct:
             root = self._watch if isinstance(self._watch, PinnedRoot) else None
-            ok = root is not None and self._tree is not None and direct_read_ok(array)
-            self._direct[node] = DirectReader(root.fd, node, array) if root and ok else None
+            # described from the root's copy of its document (equal to its own zarr.json,
+            # checked before any data): no re-encoding of zarr's metadata objects
+            doc = self._copies.get(node) if self._copies is not None and \
+                self._members is not None and self._members.get(node) is array else None
+            ok = root is not None and self._tree is not None and direct_read_ok(array, doc)
+            self._direct[node] = (DirectReader(root.fd, node, array, doc)
+                                  if ok and root is not None else None)
         return self._direct[node]
 
     def close(self) -> None:
