@@ -242,8 +242,8 @@ class ZarrWriter(StoreWriter):
             if doc is not None and direct_ok(doc):
                 array_dir = self._direct_root / node
                 linker = linker_for(array_dir, node, doc)  # incremental steps only
-                direct = DirectWriter(array_dir, doc, chunks, shards, dtype.itemsize, linker)
-                return ZarrTensorWriter(doc, entry, chunks, shards or chunks, direct,
+                writer = DirectWriter(array_dir, doc, chunks, shards, dtype.itemsize, linker)
+                return ZarrTensorWriter(doc, entry, chunks, shards or chunks, writer,
                                         written=self._written, array_dir=array_dir)
         array = self._group.create_array(
             node,
