@@ -394,6 +394,22 @@ class HDF5Writer(StoreWriter):
             pass
 
 
+def _checked_filters(node: str, dcpl: Any, layout: int) -> list[str]:
+    """The names of a dataset's filters, after refusing what reaches outside the file
+    (virtual datasets, external raw storage) and filters lean_store does not know."""
+    if layout == h5d.VIRTUAL:
+        raise UnsafeFileError(f"{node!r} is a virtual dataset; lean_store reads its own data only")
+    if dcpl.get_external_count() > 0:
+        raise UnsafeFileError(f"{node!r} uses external raw storage outside the file")
+    filters = []
+    for i in range(dcpl.get_nfilters()):
+        code = dcpl.get_filter(i)[0]
+        if code not in ALLOWED_FILTERS:
+            raise UnsafeFileError(f"{node!r} uses an unknown HDF5 filter (id {code})")
+        filters.append(_FILTER_NAMES.get(code, str(code)))
+    return filters
+
+
 class HDF5Reader(StoreReader):
     backend = "hdf5"
 
@@ -504,18 +520,7 @@ class HDF5Reader(StoreReader):
         ds = self._dataset(node)
         dcpl = ds.id.get_create_plist()
         layout = dcpl.get_layout()
-        if layout == h5d.VIRTUAL:
-            raise UnsafeFileError(
-                f"{node!r} is a virtual dataset; lean_store reads its own data only"
-            )
-        if dcpl.get_external_count() > 0:
-            raise UnsafeFileError(f"{node!r} uses external raw storage outside the file")
-        filters = []
-        for i in range(dcpl.get_nfilters()):
-            code = dcpl.get_filter(i)[0]
-            if code not in ALLOWED_FILTERS:
-                raise UnsafeFileError(f"{node!r} uses an unknown HDF5 filter (id {code})")
-            filters.append(_FILTER_NAMES.get(code, str(code)))
+        filters = _checked_filters(node, dcpl, layout)
         attrs = read_hdf5_attrs(ds, repr(node))
         check_hdf5_present(ds, node, filters)
         table = attrs.get(CHUNK_CRC_ATTR)
@@ -546,18 +551,7 @@ class HDF5Reader(StoreReader):
         dsid = ds.id
         dcpl = dsid.get_create_plist()
         layout = dcpl.get_layout()
-        if layout == h5d.VIRTUAL:
-            raise UnsafeFileError(
-                f"{node!r} is a virtual dataset; lean_store reads its own data only"
-            )
-        if dcpl.get_external_count() > 0:
-            raise UnsafeFileError(f"{node!r} uses external raw storage outside the file")
-        filters = []
-        for i in range(dcpl.get_nfilters()):
-            code = dcpl.get_filter(i)[0]
-            if code not in ALLOWED_FILTERS:
-                raise UnsafeFileError(f"{node!r} uses an unknown HDF5 filter (id {code})")
-            filters.append(_FILTER_NAMES.get(code, str(code)))
+        filters = _checked_filters(node, dcpl, layout)
         shape = dsid.shape
         chunks = dcpl.get_chunk() if layout == h5d.CHUNKED else None
         if shape != record.stored_shape or chunks != record.chunks:
