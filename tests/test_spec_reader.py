@@ -184,7 +184,7 @@ def test_root_and_tensor_attributes_are_exactly_those_of_section_2(tmp_path):
         assert root["complete"].dtype == np.int8 and root["complete"] == 1
         assert len(root["save_id"]) == 32 and int(root["save_id"], 16) >= 0
         assert set(root) == {"lean_store", "format_version", "kind", "tensor_count", "layout",
-                             "writer", "save_id", "complete"}
+                             "writer", "save_id", "manifest", "complete"}
         common = {"index", "name", "shape", "format", "width", "storage", "crc32c",
                   "chunk_crc32c"}
         binary_keys = {"exponent_bits", "fraction_bits", "bias", "encoding"}
