@@ -16,6 +16,7 @@ import json
 import math
 import os
 import stat
+import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -307,6 +308,13 @@ class HDF5TensorWriter(TensorWriter):
             self._record["table"] = self._crcs
 
 
+_ONE_SAVE_AT_A_TIME = threading.Lock()
+"""HDF5 saves in one process run one after another. The HDF5 1.14 that h5py 3.12-3.15 bundles
+corrupts its state when threads write different files at once (seen with three background
+saves: "ring type mismatch occurred for cache entry", a failed H5DOwrite_chunk); h5py
+serialises single calls, not whole saves. HDF5 runs one call at a time anyway."""
+
+
 class HDF5Writer(StoreWriter):
     backend = "hdf5"
 
@@ -321,8 +329,14 @@ class HDF5Writer(StoreWriter):
         self._fletcher32 = checksum == "fletcher32+crc32c"
         self._pool: ThreadPoolExecutor | None = None  # shuffle + deflate workers, when used
         self._records: list[dict[str, Any]] = []  # the manifest, one record per dataset
-        with self._creating():
-            self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, track_order=True)
+        _ONE_SAVE_AT_A_TIME.acquire()  # released when the file is closed (finish or abort)
+        self._holds_lock = True
+        try:
+            with self._creating():
+                self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, track_order=True)
+        except BaseException:
+            self._release()
+            raise
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         from ..naming import node_name
@@ -380,6 +394,7 @@ class HDF5Writer(StoreWriter):
         self._file.flush()
         self._file.close()
         self._stop_pool()
+        self._release()
 
     def _stop_pool(self) -> None:
         if self._pool is not None:
@@ -392,6 +407,13 @@ class HDF5Writer(StoreWriter):
             self._file.close()
         except Exception:  # noqa: BLE001 - closing a broken file must not mask the first error
             pass
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._holds_lock:
+            self._holds_lock = False
+            _ONE_SAVE_AT_A_TIME.release()
 
 
 def _checked_filters(node: str, dcpl: Any, layout: int) -> list[str]:
