@@ -157,7 +157,11 @@ def _load_bits(path: Path):
     return bits(ls.load_state(path))
 
 
-def _check_leftovers(directory: Path, name: str, new: dict, tally: Tally) -> None:
+def _check_leftovers(directory: Path, name: str, new: dict, tally: Tally,
+                     previous: dict | None = None) -> None:
+    """Hidden temporaries a kill left: each is rejected, or is the new state complete, or (a
+    kill between the atomic exchange and the removal of what it swapped out) the previous
+    checkpoint, whole."""
     import lean_store as ls
 
     for leftover in directory.glob(f".{name}.lean_store-*"):
@@ -168,6 +172,8 @@ def _check_leftovers(directory: Path, name: str, new: dict, tally: Tally) -> Non
         else:
             if got == new:
                 tally.outcomes["leftover complete and bit-exact"] += 1
+            elif previous is not None and got == previous:
+                tally.outcomes["leftover: the swapped-out previous checkpoint, whole"] += 1
             else:
                 tally.failures.append(f"leftover {leftover} loaded WRONG data")
         if leftover.is_dir():
@@ -230,7 +236,7 @@ def run_round(
         report = ls.verify(path)
         if not report.ok:
             tally.failures.append(f"{backend} overwrite: verify failed: {report}")
-    _check_leftovers(directory, path.name, new_state, tally)
+    _check_leftovers(directory, path.name, new_state, tally, previous=current)
     # 2. fresh path: nothing, or the complete new state
     fresh = directory / f"fresh{seed}{SUFFIX[backend]}"
     outcome = server.save(fresh, backend, seed + 1, _delay(tally, rng))
