@@ -12,7 +12,6 @@ from . import distributed, formats
 from ._version import __version__ as __version__
 from .async_save import SaveHandle, save_async
 from .checkpoint import Checkpoint, LoadResult, TensorHandle, load, load_state, open, save
-from .checkpointer import Checkpointer
 from .encoded import Encoded
 from .errors import (
     CheckpointError,
@@ -26,9 +25,16 @@ from .errors import (
     UnsupportedValueError,
 )
 from .formats import ScalarFormat
+from .inspection.verify import Problem, VerifyReport, verify
 from .layout import Difference, Entry, Layout
-from .training import TrainingInfo, load_optimizer, load_training, save_optimizer, save_training
-from .verify import Problem, VerifyReport, verify
+from .training.checkpointer import Checkpointer
+from .training.state import (
+    TrainingInfo,
+    load_optimizer,
+    load_training,
+    save_optimizer,
+    save_training,
+)
 
 __all__ = [
     "Checkpoint",

@@ -218,9 +218,10 @@ def save_async(
     ``handle.wait()``. The target path is replaced atomically when the write commits, as with
     :func:`lean_store.save`.
     """
-    from .checkpoint import backend_for, write_source
     from .naming import check_names
     from .sources import tensor_source
+    from .stores.registry import backend_for
+    from .writing import write_source
 
     source = tensor_source(obj)  # validates formats and names before copying anything
     if len(source.layout) == 0:

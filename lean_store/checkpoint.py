@@ -13,219 +13,33 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .chunk_crc import crc32c_combine, crc32c_of
-from .chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, iter_regions, plan_chunks
+from .chunking import (
+    DEFAULT_CHUNK_BYTES,
+    iter_regions,
+    plan_chunks,
+    splits_into_row_blocks,
+    stored_rank_shape,
+)
 from .encoded import Encoded
 from .errors import CheckpointError, CheckpointReplacedError, FormatError, IntegrityError
 from .formats import ScalarFormat, get
 from .indexing import basic_index
+from .integrity import crc32c_combine, crc32c_update
 from .layout import Difference, Entry, Layout, layout_error
-from .manifest import check_stored, parse_root, root_attrs, tensor_attrs
-from .naming import check_names
+from .metadata import check_stored, parse_root
 from .progress import make_progress
-from .sources import TargetTensor, TensorSource, tensor_source, tensor_targets
-from .stores.base import Selection, StoredTensor, StoreReader, StoreWriter
-from .stream import staged
+from .sources import TargetTensor, tensor_source, tensor_targets
+from .stores.base import Selection, StoredTensor
+from .stores.registry import open_reader
+from .writing import OVERLAP_CRC_BYTES, write_source
 
-BACKENDS = ("hdf5", "zarr")
-_SUFFIXES = {".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", ".zarr": "zarr"}
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 OPEN_ATTEMPTS = 3
 """Times ``open``, ``load`` and ``load_state`` start over when a save replaces the checkpoint
 while they read it."""
 T = TypeVar("T")
 
 
-def backend_for(path: str | os.PathLike, backend: str | None = None) -> str:
-    """The backend named, or the one the suffix implies (.h5/.hdf5 -> hdf5, .zarr -> zarr)."""
-    if backend is not None:
-        if backend not in BACKENDS:
-            raise CheckpointError(f"unknown backend {backend!r}; use one of {BACKENDS}")
-        return backend
-    suffix = Path(path).suffix.lower()
-    if suffix not in _SUFFIXES:
-        raise CheckpointError(
-            f"cannot tell the backend from {str(path)!r}: use a .h5/.hdf5 or .zarr suffix, "
-            "or pass backend='hdf5' or 'zarr'"
-        )
-    return _SUFFIXES[suffix]
-
-
-def detect_backend(path: str | os.PathLike) -> str:
-    """The backend of an existing checkpoint, from what is on disk."""
-    if not isinstance(path, (str, os.PathLike)):
-        return "zarr"  # a zarr store object (LocalStore, ZipStore, MemoryStore, FsspecStore)
-    if isinstance(path, str) and "://" in path:
-        return "zarr"  # fsspec URLs (file://, s3://, ...) hold Zarr stores
-    from .hardening import check_checkpoint_path, hdf5_superblock_offset
-
-    check_checkpoint_path(path)  # a FIFO or device is refused here, never opened
-    p = Path(path)
-    if p.is_dir():
-        if (p / "zarr.json").is_file():
-            return "zarr"
-        if (p / "lean_store.h5").is_file():
-            return "hdf5"  # a sharded HDF5 checkpoint directory (lean_store.distributed)
-        raise IntegrityError(f"{p} is a directory but not a lean_store checkpoint (no zarr.json)")
-    if hdf5_superblock_offset(p) is not None:  # at 0, or after a user block (h5jam)
-        return "hdf5"
-    raise IntegrityError(
-        f"{p} is not a lean_store checkpoint (no HDF5 signature at offset 0 or after a user "
-        "block at 512, 1024, 2048, ... bytes, and not a Zarr directory)"
-    )
-
-
-def is_url(path: Any) -> bool:
-    """An fsspec URL (``s3://bucket/run/step.zarr``, ``file:///...``): Zarr checkpoints only."""
-    return isinstance(path, str) and "://" in path
-
-
-def open_writer(
-    path: str | os.PathLike, backend: str, *, chunk_bytes: int | None, compression: Any,
-    checksum: str | None = None, storage_options: dict[str, Any] | None = None,
-) -> StoreWriter:
-    chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
-    if chunk_bytes < MIN_CHUNK_BYTES:
-        raise CheckpointError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}, got {chunk_bytes}")
-    if is_url(path):
-        if backend != "zarr" or checksum not in (None, "crc32c"):
-            raise CheckpointError(f"cannot save to {path}: URLs hold Zarr checkpoints only "
-                                  "(use a .zarr suffix or backend='zarr')")
-        from .stores.zarr_url import ZarrURLWriter
-
-        return ZarrURLWriter(str(path), chunk_bytes=chunk_bytes, compression=compression,
-                             storage_options=storage_options)
-    if storage_options is not None:
-        raise CheckpointError("storage_options apply to URLs (s3://..., file://...) only")
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
-    if backend == "hdf5":
-        from .stores.hdf5 import HDF5Writer
-
-        return HDF5Writer(path, chunk_bytes=chunk_bytes, compression=compression,
-                          checksum=checksum)
-    if checksum not in (None, "crc32c"):
-        raise CheckpointError(f"Zarr checksums are crc32c (its native codec), not {checksum!r}")
-    from .stores.zarr_store import ZarrWriter
-
-    return ZarrWriter(path, chunk_bytes=chunk_bytes, compression=compression)
-
-
-def open_reader(path: Any, backend: str | None = None,
-                storage_options: dict[str, Any] | None = None) -> StoreReader:
-    if storage_options is not None and not is_url(path):
-        raise CheckpointError("storage_options apply to URLs (s3://..., file://...) only")
-    if backend is None:
-        backend = detect_backend(path)
-    elif isinstance(path, (str, os.PathLike)) and "://" not in str(path):
-        from .hardening import check_checkpoint_path
-
-        check_checkpoint_path(path)
-    if backend == "hdf5":
-        from .distributed.hdf5_sharded import ShardedHDF5Reader, sharded_dir_of
-        from .stores.hdf5 import HDF5Reader
-
-        directory = sharded_dir_of(path)
-        return HDF5Reader(path) if directory is None else ShardedHDF5Reader(directory)
-    from .stores.zarr_store import ZarrReader
-
-    if is_url(path):
-        from .stores.zarr_url import open_url_store
-
-        return ZarrReader(open_url_store(path, storage_options, read_only=True), where=path)
-    return ZarrReader(path)
-
-
-def stored_rank_shape(entry: Entry) -> tuple[int, ...]:
-    return entry.shape or (1,)
-
-
-def crc32c_update(crc: int, bits: np.ndarray) -> int:
-    return crc32c_of(bits, crc)
-
-
 # ----------------------------------------------------------------------------------- saving
-
-
-OVERLAP_CRC_BYTES = 1 << 20
-"""Write units at least this large have their CRC-32C computed in a thread while written."""
-
-
-def write_source(
-    source: TensorSource,
-    path: str | os.PathLike,
-    *,
-    kind: str,
-    backend: str | None = None,
-    chunk_bytes: int | None = None,
-    compression: Any = None,
-    progress: Any = False,
-    extra_root: dict[str, Any] | None = None,
-    buffer_bytes: int | None = None,
-    checksum: str | None = None,
-    storage_options: dict[str, Any] | None = None,
-) -> Layout:
-    """Stream every tensor of ``source`` into a new checkpoint, committed atomically.
-
-    One write unit at a time: host tensors as zero-copy views, device tensors through the
-    pooled host buffers of :func:`lean_store.stream.staged` (at most ``buffer_bytes``, default
-    64 MiB, or one write unit if that is larger), copied ahead while the store writes.
-    ``checksum`` (HDF5): ``"crc32c"`` (default, a per-chunk table) or ``"fletcher32+crc32c"``
-    (also HDF5's native fletcher32 filter, slower; see docs/PERFORMANCE.md).
-    """
-    layout = source.layout
-    check_names(layout.names())
-    backend = backend_for(path, backend)
-    writer = open_writer(path, backend, chunk_bytes=chunk_bytes, compression=compression,
-                         checksum=checksum, storage_options=storage_options)
-    storage = "hdf5" if backend == "hdf5" else "zarr"
-
-    def units() -> Iterator[tuple[Any, Any, Any]]:
-        for entry, tensor in source.tensors():
-            sink = writer.add_tensor(entry, tensor_attrs(entry, _storage_name(entry, storage)))
-            for region in iter_regions(stored_rank_shape(entry), sink.write_unit):
-                yield sink, tensor, region
-            yield sink, None, None  # end of this tensor
-
-    with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar, \
-            ThreadPoolExecutor(1, thread_name_prefix="lean_store-crc") as crc_pool:
-        crc = 0
-        for sink, region, bits in staged(units(), buffer_bytes=buffer_bytes):
-            if bits is None:
-                sink.close({"crc32c": crc})
-                crc = 0
-                continue
-            # one pass: the unit's CRC, combined into the digest; large units have it computed
-            # on another core while the store writes them (crc32c releases the GIL)
-            pending = None
-            if bits.nbytes >= OVERLAP_CRC_BYTES:
-                try:
-                    pending = crc_pool.submit(crc32c_of, bits)
-                except RuntimeError:  # pools refuse work once interpreter shutdown has begun
-                    pass
-            if pending is not None:
-                try:
-                    sink.write(region, bits, pending.result)
-                finally:  # the CRC reads ``bits``: done before its buffer can be reused
-                    unit_crc = pending.result()
-            else:
-                unit_crc = crc32c_of(bits)
-                sink.write(region, bits, unit_crc)
-            crc = crc32c_combine(crc, unit_crc, bits.nbytes)
-            bar.advance(bits.nbytes)
-        writer.commit(root_attrs(layout, kind, extra_root))
-    return layout
-
-
-def _storage_name(entry: Entry, backend: str) -> str:
-    if backend == "hdf5":
-        from .stores.hdf5_types import storage_kind
-
-        return storage_kind(entry.format)
-    from .stores.zarr_store import native_dtype
-
-    return "native" if native_dtype(entry.format) is not None else "raw"
 
 
 def save(
@@ -434,7 +248,7 @@ class Checkpoint(Mapping[str, TensorHandle]):
     def _read_units(self, entry: Entry) -> Iterator[tuple[Any, Selection]]:
         shape = stored_rank_shape(entry)
         chunks = self._stored[entry.name].chunk_shape[: len(shape)]
-        if not _is_row_block(shape, chunks):
+        if not splits_into_row_blocks(shape, chunks):
             chunks = plan_chunks(shape, entry.format.storage_dtype.itemsize, DEFAULT_CHUNK_BYTES)
         for region in iter_regions(shape, chunks):
             yield region, Selection.of_region(region)
@@ -536,7 +350,7 @@ class Checkpoint(Mapping[str, TensorHandle]):
     def _units_are_chunks(self, entry: Entry) -> bool:
         shape = stored_rank_shape(entry)
         chunks = self._stored[entry.name].chunk_shape
-        return len(chunks) == len(shape) and _is_row_block(shape, chunks)
+        return len(chunks) == len(shape) and splits_into_row_blocks(shape, chunks)
 
     def _read_verified(self, entry: Entry) -> np.ndarray:
         shape = stored_rank_shape(entry)
@@ -559,13 +373,13 @@ class Checkpoint(Mapping[str, TensorHandle]):
 
     def to_dask(self, name: str, *, decode: bool | None = None) -> Any:
         """A lazy dask array of tensor ``name``, chunked like the store (see ``analysis``)."""
-        from .analysis import to_dask
+        from .inspection.analysis import to_dask
 
         return to_dask(self, name, decode=decode)
 
     def to_xarray(self) -> Any:
         """An ``xarray.Dataset`` of every tensor as lazy dask variables (see ``analysis``)."""
-        from .analysis import to_xarray
+        from .inspection.analysis import to_xarray
 
         return to_xarray(self)
 
@@ -589,15 +403,6 @@ def _worth_overlap(stored: StoredTensor, entry: Entry) -> bool:
     """Several chunks of at least OVERLAP_CRC_BYTES: checking one while reading the next pays."""
     chunk_bytes = math.prod(stored.chunk_shape) * entry.format.storage_dtype.itemsize
     return entry.nbytes > chunk_bytes >= OVERLAP_CRC_BYTES
-
-
-def _is_row_block(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
-    if len(chunks) != len(shape):
-        return False
-    split = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), len(shape))
-    return all(c == 1 for c in chunks[:split]) and all(
-        c >= d for c, d in zip(chunks[split + 1 :], shape[split + 1 :])
-    )
 
 
 def open(  # noqa: A001 - public API name
@@ -839,5 +644,4 @@ def _devices_of(like: Any) -> dict[str, Any]:
 
 __all__ = [
     "Checkpoint", "LoadResult", "TensorHandle", "load", "load_state", "open", "save",
-    "write_source",
 ]

@@ -12,6 +12,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .layout import Entry
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 1 << 10
@@ -95,3 +99,32 @@ def touched_cells(
 
 def region_shape(region: Region) -> tuple[int, ...]:
     return tuple(s.stop - s.start for s in region)
+
+
+def grid_shape(shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(-(-d // c) for d, c in zip(shape, chunks))
+
+
+def chunk_number(coords: tuple[int, ...], grid: tuple[int, ...]) -> int:
+    """Position of chunk ``coords`` in C order of the chunk grid."""
+    n = 0
+    for c, g in zip(coords, grid):
+        n = n * g + c
+    return n
+
+
+def table_size(shape: tuple[int, ...], chunks: tuple[int, ...]) -> int:
+    return math.prod(grid_shape(shape, chunks))
+
+
+def stored_rank_shape(entry: Entry) -> tuple[int, ...]:
+    return entry.shape or (1,)
+
+
+def splits_into_row_blocks(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
+    if len(chunks) != len(shape):
+        return False
+    split = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), len(shape))
+    return all(c == 1 for c in chunks[:split]) and all(
+        c >= d for c, d in zip(chunks[split + 1 :], shape[split + 1 :])
+    )

@@ -139,8 +139,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             rows[-1]["ratio"] = _ratio(rows[-1]["bytes_on_disk"], entry.nbytes)
         stats: dict[str, Any] = {}
         if args.stats:
+            from .inspection.stats import tensor_stats
             from .progress import make_progress
-            from .stats import tensor_stats
 
             with make_progress(None, "stats", ck.layout.nbytes) as bar:
                 for entry in ck.layout:
@@ -189,7 +189,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             check_checkpoint_path(args.checkpoint)
         except CheckpointError as exc:
             raise UsageError(str(exc)) from None
-    from .verify import verify
+    from .inspection.verify import verify
 
     report = verify(args.checkpoint)
     problems = [
@@ -220,7 +220,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from . import checkpoint
-    from .diff import diff
+    from .inspection.diff import diff
 
     with checkpoint.open(args.a) as a, checkpoint.open(args.b) as b:
         report = diff(a, b)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import lean_store as ls
-from lean_store.checkpoint import write_source
 from lean_store.layout import Entry, Layout
 from lean_store.sources.base import SourceTensor, TensorSource
+from lean_store.writing import write_source
 
 
 def test_to_dask_is_lazy_chunked_like_the_store_and_exact(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ def test_dask_graph_holds_a_path_not_an_open_file(tmp_path: Path) -> None:
     ls.save({"w": np.arange(10.0)}, tmp_path / "p.h5")
     with ls.open(tmp_path / "p.h5") as ck:
         arr = ck.to_dask("w")
-    from lean_store.analysis import close_handles
+    from lean_store.inspection.analysis import close_handles
 
     close_handles()
     assert float(arr.sum().compute(scheduler="sync")) == 45.0  # reopened on demand

@@ -11,8 +11,8 @@ from torch_optional import needs_torch, torch
 
 import lean_store as ls
 from lean_store.errors import CheckpointError, IntegrityError
-from lean_store.stores.hdf5 import HDF5TensorWriter
-from lean_store.stores.zarr_store import ZarrTensorWriter
+from lean_store.stores.hdf5.store import HDF5TensorWriter
+from lean_store.stores.zarr.store import ZarrTensorWriter
 
 WRITERS = {".h5": HDF5TensorWriter, ".zarr": ZarrTensorWriter}
 

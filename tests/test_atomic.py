@@ -10,8 +10,8 @@ import pytest
 import zarr
 
 import lean_store as ls
-import lean_store.checkpoint as checkpoint_mod
 from lean_store.stores import base
+from lean_store.stores.registry import open_writer
 
 SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
 BACKENDS = ("hdf5", "zarr")
@@ -39,8 +39,8 @@ def _leftovers(directory) -> list[str]:
 def test_failed_overwrite_keeps_previous_checkpoint(tmp_path, backend, monkeypatch):
     path = tmp_path / f"ck{SUFFIX[backend]}"
     ls.save(_state(1), path, chunk_bytes=1024)
-    from lean_store.stores.hdf5 import HDF5TensorWriter
-    from lean_store.stores.zarr_store import ZarrTensorWriter
+    from lean_store.stores.hdf5.store import HDF5TensorWriter
+    from lean_store.stores.zarr.store import ZarrTensorWriter
 
     cls = HDF5TensorWriter if backend == "hdf5" else ZarrTensorWriter
     calls = {"n": 0}
@@ -84,10 +84,10 @@ def test_uncommitted_temporary_copy_is_rejected(tmp_path, backend):
     """A writer that never committed: its temp sibling exists and is refused as incomplete."""
     path = tmp_path / f"ck{SUFFIX[backend]}"
     source = ls.checkpoint.tensor_source(_state(3))
-    writer = checkpoint_mod.open_writer(path, backend, chunk_bytes=4096, compression=None)
+    writer = open_writer(path, backend, chunk_bytes=4096, compression=None)
     try:
         for entry, tensor in source.tensors():
-            attrs = ls.manifest.tensor_attrs(entry, "raw")
+            attrs = ls.metadata.tensor_attrs(entry, "raw")
             sink = writer.add_tensor(entry, attrs)
             for region in ls.chunking.iter_regions(entry.shape or (1,), sink.write_unit):
                 sink.write(region, tensor.read(region))

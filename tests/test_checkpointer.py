@@ -83,7 +83,7 @@ _CHILD = textwrap.dedent("""
     import sys, time
     import torch
     import lean_store as ls
-    import lean_store.checkpoint as core
+    import lean_store.writing as core
 
     directory, backend, marker = sys.argv[1], sys.argv[2], sys.argv[3]
     torch.manual_seed(0)

@@ -14,7 +14,8 @@ import pytest
 from h5py import h5z
 
 import lean_store as ls
-from lean_store.chunk_crc import CHUNK_CRC_ATTR, crc32c_combine
+from lean_store.integrity import crc32c_combine
+from lean_store.stores.hdf5.crc_table import CHUNK_CRC_ATTR
 
 ROWS, COLS = 50, 100  # float32, chunk_bytes=4096 -> chunks of 10 rows
 A = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)

@@ -125,7 +125,7 @@ def test_partial_read_touches_only_needed_chunks(tmp_path, backend, monkeypatch)
     w = _weights(64, 256)  # 1 KiB rows; 4 KiB chunks = 4 rows, 16 chunks
     ls.save({"w": w}, path, compression="weights", chunk_bytes=4096)
     if backend == "hdf5":
-        from lean_store.stores import hdf5
+        from lean_store.stores.hdf5 import store as hdf5
 
         calls = []
         real = hdf5._h5read
@@ -189,7 +189,7 @@ def test_threaded_deflate_chunks_are_what_hdf5_filters_make(tmp_path, checksum, 
     chunks must decode, through HDF5's own pipeline and by hand, to HDF5's shuffled bytes."""
     import zlib
 
-    from lean_store.stores import hdf5_deflate
+    from lean_store.stores.hdf5 import deflate as hdf5_deflate
 
     submitted = []
     real = hdf5_deflate.DeflateChunks.submit
@@ -243,7 +243,7 @@ def test_deflate_planes_is_one_valid_zlib_stream(itemsize):
     checks the Adler-32."""
     import zlib
 
-    from lean_store.stores.hdf5_deflate import deflate_planes, shuffle
+    from lean_store.stores.hdf5.deflate import deflate_planes, shuffle
 
     rng = np.random.default_rng(itemsize)
     n = 70_000  # planes larger than the sample

@@ -22,7 +22,7 @@ from torch_optional import require_torch
 import lean_store as ls
 import lean_store.checkpoint as checkpoint_mod
 from lean_store import CheckpointReplacedError
-from lean_store.stores.zarr_store import ZarrReader
+from lean_store.stores.zarr.store import ZarrReader
 
 ROOT = Path(__file__).resolve().parents[1]
 SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
@@ -309,7 +309,7 @@ def test_hdf5_open_handle_keeps_its_file(tmp_path):
 
 
 def test_hdf5_pread_uses_the_descriptor_h5py_has_open(tmp_path):
-    from lean_store.stores.hdf5 import HDF5Reader
+    from lean_store.stores.hdf5.store import HDF5Reader
 
     path = tmp_path / "latest.h5"
     _save(1, path)

@@ -30,7 +30,7 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 import lean_store as ls  # noqa: E402
-import lean_store.dcp as lsd  # noqa: E402
+import lean_store.interop.dcp as lsd  # noqa: E402
 
 HERE = Path(__file__).resolve()
 PY = sys.executable
@@ -206,7 +206,7 @@ def test_unpicklable_free_values_are_refused_naming_the_key(tmp_path):
                  storage_writer=lsd.StorageWriter(path), no_dist=True)
     message = str(info.value)
     assert "state entry 'cfg.obj' (Opaque) cannot be stored without pickle" in message
-    assert "set allow_pickle to True on lean_store.dcp.StorageWriter" in message
+    assert "set allow_pickle to True on lean_store.interop.dcp.StorageWriter" in message
     assert list(tmp_path.iterdir()) == []  # nothing half-written, no temporary left
 
 
@@ -238,7 +238,7 @@ def test_strided_targets_must_tile_the_tensor():
     check_target_cover([tiled[0][0:1], tiled[0][0:1], tiled[1]])  # replicas are fine
     interleaved = [[["x", "(p)", [8, 3], [0, 0], [4, 3]]], [["x", "(p)", [8, 3], [2, 0], [4, 3]]]]
     with pytest.raises(ls.CheckpointError, match=r"tensor 'x'.*not one contiguous block.*"
-                                                 r"lean_store.dcp"):
+                                                 r"lean_store.interop.dcp"):
         check_target_cover(interleaved)
 
 
@@ -612,7 +612,7 @@ def test_interleaved_strided_rows_and_partial_are_refused_in_plain_words(worlds)
     assert len(messages) == 1  # the same error on every rank
     (message,) = messages
     assert "strided Shard(0) with split factor 2" in message
-    assert "not one contiguous block" in message and "lean_store.dcp" in message
+    assert "not one contiguous block" in message and "lean_store.interop.dcp" in message
     assert "_S(" not in message and "Partial" not in message
     load_messages = {rec["interleaved_load"]["message"] for rec in saved}
     assert len(load_messages) == 1 and "not one contiguous block" in load_messages.pop()

@@ -204,7 +204,7 @@ def scenario_load2(rank: int, world: int, out: Path) -> dict:
 
     boxes = {p.name: p.box for p in local_pieces(state)}
     reads: list = []
-    from lean_store.stores.zarr_store import ZarrReader
+    from lean_store.stores.zarr.store import ZarrReader
 
     real_read = ZarrReader.read
 

@@ -253,7 +253,7 @@ def test_sharded_save_matches_the_unsharded_reference(worlds):
 
 def test_metadata_written_once_with_names_and_one_rng_record_per_rank(worlds):
     import lean_store as ls
-    from lean_store.training import read_metadata
+    from lean_store.training.state import read_metadata
 
     out, _saved, _cont, _loaded = worlds
     for name in ("tr.zarr", "tr.h5"):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import lean_store as ls
-import lean_store.checkpoint as checkpoint_mod
+import lean_store.writing as writing_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 SUFFIXES = (".h5", ".zarr")
@@ -94,8 +94,8 @@ def test_failed_save_nobody_waited_for_is_reported_at_exit(tmp_path, suffix):
     """A save that fails is visible at exit: a message on stderr naming the target."""
     proc = run_child(f"""
         import errno
-        from lean_store.stores.hdf5 import HDF5TensorWriter
-        from lean_store.stores.zarr_store import ZarrTensorWriter
+        from lean_store.stores.hdf5.store import HDF5TensorWriter
+        from lean_store.stores.zarr.store import ZarrTensorWriter
 
         def full(self, *args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -114,7 +114,7 @@ def test_failed_save_nobody_waited_for_is_reported_at_exit(tmp_path, suffix):
 def test_failure_that_was_waited_for_is_not_reported_again(tmp_path):
     proc = run_child("""
         import errno
-        from lean_store.stores.hdf5 import HDF5TensorWriter
+        from lean_store.stores.hdf5.store import HDF5TensorWriter
 
         def full(self, *args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -149,7 +149,7 @@ def test_crc_falls_back_to_inline_when_the_pool_refuses_work(tmp_path, monkeypat
         def submit(self, *args, **kwargs):
             raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
-    monkeypatch.setattr(checkpoint_mod, "ThreadPoolExecutor", RefusingPool)
+    monkeypatch.setattr(writing_mod, "ThreadPoolExecutor", RefusingPool)
     path = tmp_path / f"ck{suffix}"
     ls.save(expected_state(), path)
     monkeypatch.undo()

@@ -22,9 +22,9 @@ import lean_store as ls
 from lean_store.distributed.location import Location
 from lean_store.errors import ForeignPathError
 from lean_store.stores.base import replace_atomically
-from lean_store.stores.hdf5 import HDF5TensorWriter
+from lean_store.stores.hdf5.store import HDF5TensorWriter
 from lean_store.stores.target import check_replaceable, is_checkpoint
-from lean_store.stores.zarr_store import ZarrTensorWriter
+from lean_store.stores.zarr.store import ZarrTensorWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 SUFFIXES = (".h5", ".zarr")

@@ -25,7 +25,7 @@ import pytest
 import lean_store as ls
 from lean_store.formats import STANDARD, binary, complex_of
 from lean_store.naming import node_name
-from lean_store.stores.hdf5_types import storage_kind
+from lean_store.stores.hdf5.types import storage_kind
 
 # No skip: ./dev test installs hdf5-tools; without h5dump these tests must fail, not pass.
 

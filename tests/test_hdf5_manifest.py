@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import lean_store as ls
-from lean_store.stores.hdf5 import HDF5Reader, read_attrs, to_hdf5_attr
-from lean_store.stores.hdf5_manifest import MANIFEST_ATTR, parse_manifest
+from lean_store.stores.hdf5.manifest import MANIFEST_ATTR, parse_manifest
+from lean_store.stores.hdf5.store import HDF5Reader, read_attrs, to_hdf5_attr
 
 FIXTURE = Path(__file__).parent / "fixtures" / "legacy_v0_adam.h5"
 
@@ -67,7 +67,7 @@ def test_round_trip_with_the_manifest(tmp_path: Path) -> None:
 def test_open_reads_no_dataset_attribute(tmp_path: Path, monkeypatch) -> None:
     path = _saved(tmp_path)
     calls: list[str] = []
-    import lean_store.stores.hdf5 as hdf5
+    import lean_store.stores.hdf5.store as hdf5
 
     real = hdf5.read_attrs
     monkeypatch.setattr(hdf5, "read_attrs", lambda oid, where, names=None: (
@@ -190,7 +190,7 @@ def test_root_attrs_do_not_carry_the_manifest(tmp_path: Path) -> None:
 def test_small_compressed_chunks_are_not_handed_to_the_pool(tmp_path: Path, monkeypatch) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from lean_store.stores import hdf5_deflate
+    from lean_store.stores.hdf5 import deflate as hdf5_deflate
 
     submitted: list[int] = []
     real = ThreadPoolExecutor.submit

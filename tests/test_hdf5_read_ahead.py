@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import lean_store as ls
-from lean_store.stores.hdf5 import HDF5Reader
+from lean_store.stores.hdf5.store import HDF5Reader
 
 MiB = 1 << 20
 

@@ -14,9 +14,9 @@ import pytest
 from helpers import h5_text
 
 import lean_store as ls
-from lean_store.hardening import check_zarr_key
-from lean_store.stores.hdf5 import HDF5Reader
-from lean_store.stores.zarr_store import ZarrReader
+from lean_store.stores.hdf5.store import HDF5Reader
+from lean_store.stores.zarr.checks import check_zarr_key
+from lean_store.stores.zarr.store import ZarrReader
 
 STATE = {"w": np.arange(64, dtype=np.float32).reshape(8, 8), "b": np.arange(5, dtype=np.int64)}
 

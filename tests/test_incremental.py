@@ -186,7 +186,7 @@ def test_incremental_with_weights_compression(scratch):
 CHILD = textwrap.dedent("""
     import sys, time, torch
     import lean_store as ls
-    from lean_store import incremental
+    from lean_store.stores.zarr import incremental
 
     directory, marker = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ torch = require_torch()  # lightning needs torch
 import lightning.pytorch as pl  # noqa: E402
 
 import lean_store as ls  # noqa: E402
-from lean_store.lightning import CheckpointIO  # noqa: E402
+from lean_store.interop.lightning import CheckpointIO  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -217,7 +217,7 @@ def test_a_failed_save_removes_its_prefix_and_overwriting_is_refused(env) -> Non
         ls.save(bad, url)
     ok = state()
     ok["big"] = ok["big"].reshape(-1, 3)  # 100000 x 3: several shards
-    from lean_store.stores import zarr_store
+    from lean_store.stores.zarr import store as zarr_store
 
     original = zarr_store.ZarrTensorWriter.write
     calls = {"n": 0}
@@ -278,7 +278,7 @@ def test_two_ranks_save_shards_into_one_bucket(env, s3, tmp_path) -> None:
 def test_lightning_checkpoints_on_s3(env) -> None:
     import torch
 
-    from lean_store.lightning import CheckpointIO
+    from lean_store.interop.lightning import CheckpointIO
 
     io = CheckpointIO(backend="zarr")
     url = "s3://bkt/lightning/epoch=0-step=4.ckpt"
@@ -319,7 +319,7 @@ def sharded_state_whole() -> dict[str, np.ndarray]:
 def _crash(url: str) -> None:
     """Save, and die (no cleanup, as a killed process) after the third write unit."""
     import lean_store as ls
-    from lean_store.stores import zarr_store
+    from lean_store.stores.zarr import store as zarr_store
 
     original = zarr_store.ZarrTensorWriter.write
     calls = {"n": 0}

@@ -26,8 +26,8 @@ import zarr
 
 import lean_store as ls
 from lean_store.errors import SaveIOError
-from lean_store.stores.hdf5 import HDF5TensorWriter
-from lean_store.stores.zarr_store import ZarrTensorWriter
+from lean_store.stores.hdf5.store import HDF5TensorWriter
+from lean_store.stores.zarr.store import ZarrTensorWriter
 
 SUFFIXES = (".h5", ".zarr")
 WRITERS = {".h5": HDF5TensorWriter, ".zarr": ZarrTensorWriter}

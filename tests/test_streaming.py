@@ -16,13 +16,13 @@ import pytest
 from torch_optional import needs_torch, torch
 
 import lean_store as ls
-from lean_store.checkpoint import write_source
 from lean_store.chunking import iter_regions, plan_chunks
 from lean_store.errors import CheckpointError
 from lean_store.formats import of_numpy_dtype
 from lean_store.layout import Entry, Layout
 from lean_store.sources.base import SourceTensor, TensorSource
 from lean_store.stream import BufferPool, CopyEngine, staged
+from lean_store.writing import write_source
 
 if torch is not None:  # lean_store.sources.torch_source imports torch
     from lean_store.sources.torch_source import (

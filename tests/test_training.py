@@ -16,9 +16,9 @@ from helpers import BACKENDS, SUFFIX
 from torch_optional import require_torch
 
 import lean_store as ls
-from lean_store.checkpoint import write_source
 from lean_store.sources import tensor_source
-from lean_store.training import META_ATTR, VERSION_ATTR
+from lean_store.training.state import META_ATTR, VERSION_ATTR
+from lean_store.writing import write_source
 
 torch = require_torch()
 
@@ -438,7 +438,7 @@ def test_legacy_fixture_is_reproducible(tmp_path, capsys):
 
     import h5py
 
-    from lean_store.chunk_crc import crc32c_of
+    from lean_store.integrity import crc32c_of
 
     stored = ls.load_state(FIXTURE)
     with h5py.File(FIXTURE, "r") as f:  # the file's own bytes, read without lean_store

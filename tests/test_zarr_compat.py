@@ -19,11 +19,12 @@ from helpers import without_save_id
 from zarr.buffer import cpu
 
 import lean_store as ls
-from lean_store import zarr_compat
 from lean_store.chunking import touched_cells
 from lean_store.errors import IntegrityError
+from lean_store.stores.zarr import compat as zarr_compat
 
 PACKAGE = Path(ls.__file__).parent
+COMPAT = PACKAGE / "stores" / "zarr" / "compat.py"
 ROWS, COLS = 64, 16
 CHUNK_BYTES = 1024  # 16 rows of 16 (re, im) bfloat16 pairs per chunk: 4 chunks, unsharded
 FMT = ls.formats.complex_of("bfloat16")  # no numpy dtype: stored as raw word pairs
@@ -187,13 +188,13 @@ def _zarr_internal_uses(path: Path) -> list[str]:
 def test_zarr_internals_are_used_in_one_module_only() -> None:
     offenders = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "zarr_compat.py":
+        if path == COMPAT:
             continue
         uses = _zarr_internal_uses(path)
         if uses:
             offenders[path.relative_to(PACKAGE).as_posix()] = uses
     assert offenders == {}
-    assert _zarr_internal_uses(PACKAGE / "zarr_compat.py")  # the one place that probes
+    assert _zarr_internal_uses(COMPAT)  # the one place that probes
 
 
 def test_load_without_regular_chunk_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

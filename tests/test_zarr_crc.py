@@ -17,10 +17,10 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.dtype import parse_data_type
 
 import lean_store as ls
-from lean_store import zarr_compat
-from lean_store.stores import zarr_store
-from lean_store.zarr_crc import LeanCrc32cCodec
-from lean_store.zarr_direct import direct_ok
+from lean_store.stores.zarr import compat as zarr_compat
+from lean_store.stores.zarr import store as zarr_store
+from lean_store.stores.zarr.crc import LeanCrc32cCodec
+from lean_store.stores.zarr.direct_write import direct_ok
 
 RNG = np.random.default_rng(7)
 STATE = {

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import lean_store as ls
-import lean_store.zarr_direct_read as zdr
+import lean_store.stores.zarr.direct_read as zdr
 
 CHUNK = 1 << 14  # 16 KiB chunks: the 1000 x 300 float32 tensor is sharded, 8 chunks a shard
 

@@ -17,8 +17,8 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 import lean_store as ls
-from lean_store import zarr_compat
-from lean_store.stores import zarr_store
+from lean_store.stores.zarr import compat as zarr_compat
+from lean_store.stores.zarr import store as zarr_store
 
 RNG = np.random.default_rng(13)
 STATE = {

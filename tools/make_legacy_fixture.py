@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from lean_store.checkpoint import write_source
 from lean_store.sources import tensor_source
 from lean_store.sources.optimizer import describe, param_names
+from lean_store.writing import write_source
 
 DEFAULT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "legacy_v0_adam.h5"
 

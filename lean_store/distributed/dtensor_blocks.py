@@ -22,8 +22,8 @@ from ..errors import CheckpointError
 from .shard_spec import Box, coverage_problems
 
 DCP_HINT = (
-    "torch.distributed.checkpoint with lean_store.dcp.StorageWriter/StorageReader writes and "
-    "reads the same lean_store format through DCP's planners"
+    "torch.distributed.checkpoint with lean_store.interop.dcp.StorageWriter/StorageReader "
+    "writes and reads the same lean_store format through DCP's planners"
 )
 
 

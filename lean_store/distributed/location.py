@@ -27,7 +27,7 @@ def is_url(path: Any) -> TypeGuard[str]:
 class Location:
     """The final path, and the root every rank writes to (``work``).
 
-    Also used by single-process Zarr saves to a URL (``lean_store.stores.zarr_url``)."""
+    Also used by single-process Zarr saves to a URL (``lean_store.stores.zarr.url``)."""
 
     def __init__(self, path: Any, work: str, storage_options: dict[str, Any] | None = None
                  ) -> None:

@@ -76,7 +76,7 @@ def stored_shards(ck: Checkpoint) -> dict[str, list[StoredShard]]:
     One IntegrityError lists every tensor whose shards overlap, leave gaps or are malformed."""
     if "sharded" not in ck.root_attrs:
         return {}
-    from .hdf5_sharded import check_virtual_boxes
+    from ..stores.hdf5.sharded import check_virtual_boxes
 
     problems: list[str] = []
     out: dict[str, list[StoredShard]] = {}
@@ -108,7 +108,7 @@ def _shift(region: tuple[slice, ...], box: Box) -> tuple[slice, ...]:
 def iter_shard_bits(ck: Checkpoint, entry: Entry, shard: StoredShard
                     ) -> Iterator[tuple[Any, np.ndarray]]:
     """Words of one shard in its digest order (global regions); the digest is checked last."""
-    from ..checkpoint import crc32c_update
+    from ..integrity import crc32c_update
 
     node = ck._stored[entry.name].node
     crc = 0

@@ -19,12 +19,14 @@ import json
 import uuid
 from typing import Any
 
-from ..checkpoint import backend_for, crc32c_update
 from ..chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, iter_regions, plan_chunks
 from ..errors import CheckpointError
+from ..integrity import crc32c_update
 from ..layout import Layout
-from ..manifest import root_attrs
-from . import hdf5_sharded, zarr_sharded
+from ..metadata import root_attrs
+from ..stores.hdf5 import sharded as hdf5_sharded
+from ..stores.registry import backend_for
+from ..stores.zarr import sharded as zarr_sharded
 from .collective import Collective, ShardedError
 from .local_state import Piece, local_pieces
 from .location import Location

@@ -2,14 +2,14 @@
 variants) with DTensor models, across the ranks of a process group.
 
 Saving: every rank builds the same tensors and metadata as the single-process save
-(:func:`lean_store.training.training_tensors`): parameters and moments stay DTensors, so each
+(:func:`lean_store.training.state.training_tensors`): parameters and moments stay DTensors, so each
 rank writes only its own shards; numbers, hyperparameter tensors and scheduler state are
 replicated and written once. Every rank's RNG states are stored too: each RNG tensor is stacked
 over a leading rank axis (rank ``r`` writes row ``r``) and the metadata keeps one RNG record per
 rank (``rng.ranks``). The metadata without RNG must be identical on every rank; rank 0 writes it.
 
 Loading: every rank runs the single-process validation
-(:func:`lean_store.training.prepare_load`) with hooks that read only this rank's regions
+(:func:`~lean_store.training.state.prepare_load`) with hooks that read only this rank's regions
 (model tensors and moments, resharded to the live placements), then the ranks agree; every
 stored shard's digest is checked once across the ranks, they agree again, and only then does
 any rank install anything. A rank gets its own RNG states back when the world size matches the
@@ -68,7 +68,7 @@ def save_training(
 ) -> Layout:
     """Every rank of ``process_group`` calls this; see the module docstring."""
     from ..sources.rng import capture
-    from ..training import META_ATTR, TRAINING_FORMAT_VERSION, VERSION_ATTR, training_tensors
+    from ..training.state import META_ATTR, TRAINING_FORMAT_VERSION, VERSION_ATTR, training_tensors
 
     comm = Collective(process_group)
     error: BaseException | None = None
@@ -117,7 +117,8 @@ def save_training(
 
 
 class _ShardedReads:
-    """The hooks that make :func:`lean_store.training.prepare_load` read this rank's shards."""
+    """The hooks that make :func:`~lean_store.training.state.prepare_load` read this rank's
+    shards."""
 
     def __init__(self, ck: Any, optimizer: Any, names: list[str], block_bytes: int) -> None:
         self.ck = ck
@@ -152,7 +153,7 @@ class _ShardedReads:
         """An optimizer state tensor: a DTensor with its parameter's (or live moment's)
         placement, holding only this rank's region; anything else is read whole."""
         from ..sources.torch_source import dtype_of_format
-        from ..training import TrainingReader
+        from ..training.state import TrainingReader
 
         base, key = name.rsplit("/", 1)
         param = self.params.get(base)
@@ -187,7 +188,7 @@ def load_training(
     """Every rank of ``process_group`` calls this; see the module docstring."""
     from ..checkpoint import Checkpoint
     from ..sources.optimizer import param_names
-    from ..training import prepare_load, warn_lost
+    from ..training.state import prepare_load, warn_lost
 
     comm = Collective(process_group)
     ck = None

@@ -66,7 +66,7 @@ def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading
             raise CheckpointError(f"no file at {p}: the path does not exist")
         if p.is_dir():
             return "zarr"
-        from ..hardening import hdf5_superblock_offset
+        from ..stores.hdf5.checks import hdf5_superblock_offset
         from .torchlean_bridge import sniff
 
         with p.open("rb") as f:
@@ -103,7 +103,7 @@ class _VerifiedTensor(SourceTensor):
         self._checked = False
 
     def read(self, region: Region) -> np.ndarray:
-        from ..checkpoint import crc32c_update
+        from ..integrity import crc32c_update
         from ..stores.base import Selection
 
         words = self._ck._reader.read(self._stored.node, Selection.of_region(region),
@@ -256,7 +256,7 @@ def write_output(
             + "\n".join(f"  - {p}" for p in problems)
         )
     if fmt in ("hdf5", "zarr"):
-        from ..checkpoint import write_source
+        from ..writing import write_source
 
         write_source(inp.source, path, kind=inp.kind, backend=fmt, chunk_bytes=chunk_bytes,
                      compression=compression, progress=progress, extra_root=inp.extra)

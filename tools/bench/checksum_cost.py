@@ -21,8 +21,9 @@ import numpy as np
 
 import lean_store as ls
 import lean_store.checkpoint as checkpoint_mod
-from lean_store.stores import hdf5 as hdf5_mod
-from lean_store.stores import zarr_store as zarr_mod
+import lean_store.writing as writing_mod
+from lean_store.stores.hdf5 import store as hdf5_mod
+from lean_store.stores.zarr import store as zarr_mod
 
 CONFIGS = {
     "hdf5": (("default", True, True, None), ("fletcher32", True, True, "fletcher32+crc32c"),
@@ -36,8 +37,8 @@ CONFIGS = {
 def checksums(chunk: bool, digest: bool):
     """``chunk=False``: no Zarr crc32c codec, and HDF5's table is all zeros (no CRC is
     computed). ``digest=False``: no whole-tensor CRC is computed either."""
-    saved = (zarr_mod._compressors, checkpoint_mod.crc32c_update, checkpoint_mod.crc32c_of,
-             checkpoint_mod.crc32c_combine, hdf5_mod.crc32c_of)
+    saved = (zarr_mod._compressors, checkpoint_mod.crc32c_update, writing_mod.crc32c_of,
+             writing_mod.crc32c_combine, checkpoint_mod.crc32c_combine, hdf5_mod.crc32c_of)
     if not chunk:
         real = saved[0]
         zarr_mod._compressors = lambda c: [x for x in real(c)
@@ -45,13 +46,13 @@ def checksums(chunk: bool, digest: bool):
         hdf5_mod.crc32c_of = lambda bits, crc=0: 0
     if not digest:
         checkpoint_mod.crc32c_update = lambda crc, bits: 0
-        checkpoint_mod.crc32c_of = lambda bits, crc=0: 0
-        checkpoint_mod.crc32c_combine = lambda a, b, n: 0
+        writing_mod.crc32c_of = lambda bits, crc=0: 0
+        writing_mod.crc32c_combine = checkpoint_mod.crc32c_combine = lambda a, b, n: 0
     try:
         yield
     finally:
-        (zarr_mod._compressors, checkpoint_mod.crc32c_update, checkpoint_mod.crc32c_of,
-         checkpoint_mod.crc32c_combine, hdf5_mod.crc32c_of) = saved
+        (zarr_mod._compressors, checkpoint_mod.crc32c_update, writing_mod.crc32c_of,
+         writing_mod.crc32c_combine, checkpoint_mod.crc32c_combine, hdf5_mod.crc32c_of) = saved
 
 
 def run(backend: str, mib: int, directory: Path, repeats: int) -> dict[str, tuple[float, float]]:

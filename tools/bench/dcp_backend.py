@@ -1,4 +1,5 @@
-"""DCP save/load time: lean_store.dcp (Zarr and HDF5) against DCP's own FileSystemWriter/Reader.
+"""DCP save/load time: lean_store.interop.dcp (Zarr and HDF5) against DCP's own
+FileSystemWriter/Reader.
 
 Four gloo ranks on loopback hold a transformer-shaped stack (``--layers`` blocks of LayerNorm +
 Linear(d, 4d) + Linear(4d, d), d = ``--dim``; 4 blocks of 512 are 8.4 M parameters) with AdamW
@@ -69,7 +70,7 @@ def build(layout: str, dim: int, layers: int):
 def storage(backend: str, path: Path, write: bool):
     import torch.distributed.checkpoint as dcp
 
-    import lean_store.dcp as lsd
+    import lean_store.interop.dcp as lsd
 
     if backend == "dcp-filesystem":
         return dcp.FileSystemWriter(path) if write else dcp.FileSystemReader(path)

@@ -17,8 +17,8 @@ import io
 import json
 from typing import Any
 
-from ..errors import CheckpointError, IntegrityError
-from ..statetree import decode, encode
+from ...errors import CheckpointError, IntegrityError
+from ...statetree import decode, encode
 
 ROOT_ATTR = "dcp"  # root attribute: {"version": 1, "objects": {key: record}}
 VERSION = 1
@@ -40,9 +40,9 @@ def encode_object(key: str, value: Any, pickled: bytes | None, allow_pickle: boo
         return {"pickle": base64.b64encode(pickled).decode("ascii")}
     raise CheckpointError(
         f"state entry {key!r} ({type(value).__name__}) cannot be stored without pickle "
-        f"({reason}): lean_store.dcp stores tensors and plain data (None, bools, numbers, "
+        f"({reason}): lean_store.interop.dcp stores tensors and plain data (None, bools, numbers, "
         "strings, lists, tuples, dicts); to keep it as torch.save bytes, set allow_pickle to "
-        "True on lean_store.dcp.StorageWriter"
+        "True on lean_store.interop.dcp.StorageWriter"
     )
 
 
@@ -80,8 +80,8 @@ def object_bytes(key: str, record: dict, allow_pickle: bool) -> io.BytesIO:
     if not allow_pickle:
         raise CheckpointError(
             f"state entry {key!r} was stored pickled (torch.save bytes); loading it runs "
-            "arbitrary code; set allow_pickle to True on lean_store.dcp.StorageReader only if "
-            "you trust this checkpoint"
+            "arbitrary code; set allow_pickle to True on lean_store.interop.dcp.StorageReader "
+            "only if you trust this checkpoint"
         )
     try:
         return io.BytesIO(base64.b64decode(record["pickle"], validate=True))

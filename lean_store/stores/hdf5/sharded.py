@@ -20,17 +20,17 @@ import h5py
 import numpy as np
 from h5py import h5d, h5p, h5s
 
-from ..chunking import plan_chunks
-from ..errors import CheckpointError, IntegrityError, UnsafeFileError
-from ..layout import Entry
-from ..manifest import tensor_attrs
-from ..naming import node_name
-from ..replacement import PinnedRoot, check_unchanged
-from ..stores.base import Selection, StoredTensor
-from ..stores.hdf5 import HDF5Reader, HDF5Writer, from_hdf5_attr, to_hdf5_attr
-from ..stores.hdf5_types import hdf5_type, storage_kind
-from .plan import TensorPlan
-from .shard_spec import Box
+from ...chunking import plan_chunks
+from ...distributed.plan import TensorPlan
+from ...distributed.shard_spec import Box
+from ...errors import CheckpointError, IntegrityError, UnsafeFileError
+from ...layout import Entry
+from ...metadata import tensor_attrs
+from ...naming import node_name
+from ...replacement import PinnedRoot, check_unchanged
+from ..base import Selection, StoredTensor
+from .store import HDF5Reader, HDF5Writer, from_hdf5_attr, to_hdf5_attr
+from .types import hdf5_type, storage_kind
 
 MASTER_NAME = "lean_store.h5"
 MASTER_LIBVER = ("v108", "v110")  # virtual datasets need the 1.10 format; h5dump 1.10 reads it

@@ -4,7 +4,7 @@ Writes and reads go through h5py's low-level API with the memory type equal to t
 so HDF5 never converts a value: the bits in memory are the bits on disk.
 
 Per-chunk checksums are a table of CRC-32C values in the dataset attribute ``chunk_crc32c``
-(see :mod:`lean_store.chunk_crc`), verified on every chunk read, whole or partial.
+(see :mod:`lean_store.stores.hdf5.crc_table`), verified on every chunk read, whole or partial.
 ``checksum="fletcher32+crc32c"`` also adds HDF5's native fletcher32 filter, so that h5py and
 h5dump verify chunks on their own (at a cost: see docs/PERFORMANCE.md).
 """
@@ -26,30 +26,17 @@ import numpy as np
 from h5py import h5a, h5d, h5l, h5o, h5p, h5s, h5t, h5z
 from numcodecs.fletcher32 import Fletcher32
 
-from ..chunk_crc import (
-    CHECKSUMS,
-    CHUNK_CRC_ATTR,
-    chunk_number,
-    crc32c_of,
-    grid_shape,
-    parse_table,
-    table_size,
-)
-from ..chunking import Region, plan_chunks, region_shape
-from ..errors import CheckpointError, IntegrityError, UnsafeFileError
-from ..formats import ScalarFormat
-from ..hardening import (
-    MAX_ATTR_BYTES,
-    MAX_ATTRS,
-    check_chunk_shape,
-    check_hdf5_present,
-    chunk_count,
-    read_hdf5_attrs,
-)
-from ..layout import Entry
-from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
-from .hdf5_deflate import DeflateChunks
-from .hdf5_manifest import (
+from ...chunking import Region, chunk_number, grid_shape, plan_chunks, region_shape, table_size
+from ...errors import CheckpointError, IntegrityError, UnsafeFileError
+from ...formats import ScalarFormat
+from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_chunk_shape, chunk_count
+from ...integrity import crc32c_of
+from ...layout import Entry
+from ..base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
+from .checks import check_hdf5_present, read_hdf5_attrs
+from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
+from .deflate import DeflateChunks
+from .manifest import (
     MANIFEST_ATTR,
     TensorRecord,
     attribute_differences,
@@ -57,7 +44,7 @@ from .hdf5_manifest import (
     parse_manifest,
     record_json,
 )
-from .hdf5_types import hdf5_type, needs_nbit
+from .types import hdf5_type, needs_nbit
 
 _FLETCHER32 = Fletcher32()  # HDF5's fletcher32, appended after the chunk as HDF5 stores it
 DEFLATE_THREADS = 2  # shuffle + deflate workers of a compressed HDF5 save
@@ -139,7 +126,7 @@ def from_hdf5_attr(value: Any) -> Any:
 
 def read_attrs(oid: Any, where: str, names: list[str] | None = None) -> dict[str, Any]:
     """The attributes of the HDF5 object ``oid`` (a low-level id) with the checks of
-    :func:`lean_store.hardening.read_hdf5_attrs` (count, shape, type and size checked before a
+    :func:`.checks.read_hdf5_attrs` (count, shape, type and size checked before a
     value is read; variable-length strings refused), through h5py's low-level API: several
     times cheaper. ``names``: read these (opened by name, cheaper than by index; a missing one
     is an IntegrityError) and only these when the object holds exactly that many."""
@@ -339,7 +326,7 @@ class HDF5Writer(StoreWriter):
             raise
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
-        from ..naming import node_name
+        from ...naming import node_name
 
         fmt = entry.format
         stored = entry.shape or (1,)
@@ -590,7 +577,7 @@ class HDF5Reader(StoreReader):
 
     def _check_present(self, node: str, dsid: Any, shape: tuple[int, ...],
                        chunks: tuple[int, ...], ftype: Any, filters: list[str]) -> None:
-        """:func:`lean_store.hardening.check_hdf5_present` on low-level ids: every chunk
+        """:func:`lean_store.stores.hdf5.checks.check_hdf5_present` on low-level ids: every chunk
         allocated, inside the file, and (uncompressed) as large as its values need."""
         if math.prod(shape) == 0:
             return

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .formats import BoolFormat, ComplexFormat, IntegerFormat
-from .layout import Entry
+from ..formats import BoolFormat, ComplexFormat, IntegerFormat
+from ..layout import Entry
 from .reading import DEFAULT_BLOCK_BYTES, decoder, iter_words
 
 SCALE = 64  # block sums that overflow are taken of x * 2**-SCALE
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from ..checkpoint import Checkpoint
 
 
 @dataclass

@@ -20,10 +20,11 @@ from collections.abc import Callable, Collection, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from .checkpoint import Checkpoint, as_values, write_source
-from .errors import CheckpointError, IntegrityError
-from .layout import Difference, Layout, layout_error
-from .statetree import decode, encode, tensor_names
+from ..checkpoint import Checkpoint, as_values
+from ..errors import CheckpointError, IntegrityError
+from ..layout import Difference, Layout, layout_error
+from ..statetree import decode, encode, tensor_names
+from ..writing import write_source
 
 TRAINING_FORMAT_VERSION = 1
 VERSION_ATTR = "training_format_version"
@@ -108,10 +109,10 @@ def _save(path: Any, kind: str, *, model: Any, names_model: Any, optimizer: Any,
           extra: Any = None, generators: Mapping[str, Any] | None = None,
           backend: str | None, compression: Any, progress: Any,
           process_group: Any = None) -> Layout:
-    from .sources import tensor_source
+    from ..sources import tensor_source
 
     if is_sharded_training(model, names_model, optimizer, process_group):
-        from .distributed.training import save_training as sharded_save
+        from ..distributed.training import save_training as sharded_save
 
         return sharded_save(path, kind, process_group=process_group, model=model,
                             names_model=names_model, optimizer=optimizer, scheduler=scheduler,
@@ -120,7 +121,7 @@ def _save(path: Any, kind: str, *, model: Any, names_model: Any, optimizer: Any,
     tensors, meta = training_tensors(model=model, names_model=names_model, optimizer=optimizer,
                                      scheduler=scheduler, step=step, data=data, extra=extra)
     if rng or generators:
-        from .sources.rng import capture
+        from ..sources.rng import capture
 
         meta["rng"] = capture(tensors, generators, global_state=bool(rng))
     text = json.dumps(meta, separators=(",", ":"), allow_nan=False)
@@ -136,7 +137,7 @@ def is_sharded_training(model: Any, names_model: Any, optimizer: Any, process_gr
     group was given, or the model or optimizer holds DTensors / ``LocalShard`` values."""
     if process_group is not None:
         return True
-    from .distributed.local_state import holds_shards, is_dtensor
+    from ..distributed.local_state import holds_shards, is_dtensor
 
     for m in (model, names_model):
         if m is not None and holds_shards(m):
@@ -152,8 +153,8 @@ def training_tensors(*, model: Any, names_model: Any, optimizer: Any, scheduler:
                      ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every tensor of a training checkpoint but the RNG states, by name, and its metadata
     (without ``rng``). Shared by the single-process and the sharded save."""
-    from .sources.optimizer import class_name, describe, param_names
-    from .sources.torch_source import state_dict_of
+    from ..sources.optimizer import class_name, describe, param_names
+    from ..sources.torch_source import state_dict_of
 
     tensors: dict[str, Any] = {}
     meta: dict[str, Any] = {"step": step}
@@ -178,7 +179,7 @@ def training_tensors(*, model: Any, names_model: Any, optimizer: Any, scheduler:
 
 
 def _data_kind(data: Any) -> str:
-    from .sources.rng import generator_state
+    from ..sources.rng import generator_state
 
     try:
         generator_state(data)
@@ -198,7 +199,7 @@ def _data_kind(data: Any) -> str:
 
 
 def _data_meta(data: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-    from .sources.rng import generator_kind, generator_state
+    from ..sources.rng import generator_kind, generator_state
 
     kind = _data_kind(data)
     if kind == "generator":
@@ -305,7 +306,7 @@ class TrainingReader:
         return self.ck.layout[name]
 
     def tensor(self, name: str, device: Any = "cpu") -> Any:
-        from .sources.torch_source import dtype_of_format, new_tensor
+        from ..sources.torch_source import dtype_of_format, new_tensor
 
         entry = self._entry(name)
         if dtype_of_format(entry.format) is None:
@@ -328,7 +329,7 @@ def _load(path: Any, *, model: Any, names_model: Any, optimizer: Any, rng: bool,
           generators: Mapping[str, Any] | None, scheduled: Collection[str], stacklevel: int,
           scheduler: Any = None, data: Any = None, process_group: Any = None) -> TrainingInfo:
     if is_sharded_training(model, names_model, optimizer, process_group):
-        from .distributed.training import load_training as sharded_load
+        from ..distributed.training import load_training as sharded_load
 
         return sharded_load(path, process_group=process_group, model=model,
                             names_model=names_model, optimizer=optimizer, scheduler=scheduler,
@@ -374,7 +375,7 @@ def prepare_load(ck: Checkpoint, *, model: Any, names_model: Any, optimizer: Any
     is needed; nothing is changed until ``install()`` of the result. The sharded load passes
     ``rank``/``world`` (whose RNG states to restore), ``prepare_model`` (reads this rank's
     shards) and ``read_state`` (optimizer tensors as this rank's shards)."""
-    from .sources.optimizer import param_names, prepare
+    from ..sources.optimizer import param_names, prepare
 
     installs: list[Callable[[], None]] = []
     version, meta, prefix = read_metadata(ck)
@@ -460,13 +461,13 @@ def _rank_rng(meta: Any, reader: TrainingReader, rank: int, world: int
 
 def _prepare_rng(meta: Any, lookup: Callable[[str, str], Any], generators: Any, rng: bool
                  ) -> Any:
-    from .sources.rng import prepare
+    from ..sources.rng import prepare
 
     return prepare(meta, lookup, generators, global_state=rng)
 
 
 def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
-    from .sources import tensor_targets
+    from ..sources import tensor_targets
 
     targets = tensor_targets(model)
     expected = Layout.from_specs(
@@ -489,7 +490,7 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
 
 def _prepare_scheduler(meta: Any, scheduler: Any, reader: TrainingReader,
                        where: Any) -> Callable[[], None]:
-    from .sources.optimizer import class_name
+    from ..sources.optimizer import class_name
 
     if not isinstance(meta, dict):
         raise CheckpointError(f"{where} holds no scheduler state")
@@ -513,7 +514,7 @@ def _prepare_data(meta: Any, data: Any, reader: TrainingReader, where: Any) -> t
     kind = _data_kind(data)
     saved = meta["type"]
     if kind == "generator":
-        from .sources.rng import check_generator_state, generator_kind
+        from ..sources.rng import check_generator_state, generator_kind
 
         if saved != f"generator:{generator_kind(data)}":
             raise CheckpointError(f"the data position was saved from a {saved}, not a "

@@ -12,71 +12,15 @@ Because CRC-32C is linear, the whole-tensor digest is derived from the per-chunk
 
 from __future__ import annotations
 
-import math
-from functools import lru_cache
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
-from .errors import IntegrityError
+from ...chunking import table_size
+from ...errors import IntegrityError
 
 CHUNK_CRC_ATTR = "chunk_crc32c"
 CHECKSUMS = ("crc32c", "fletcher32+crc32c")  # HDF5 per-chunk checksum choices; first = default
-
-
-def crc32c_of(bits: Any, crc: int = 0) -> int:
-    """CRC-32C of an array's raw bytes in C order, continuing from ``crc``; no copy when the
-    array is already C-contiguous."""
-    arr = np.asarray(bits)
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)
-    if arr.size == 0:
-        return crc
-    return google_crc32c.extend(crc, arr.reshape(-1).view(np.uint8))
-
-
-def _gf2_apply(matrix: tuple[int, ...], vector: int) -> int:
-    out, i = 0, 0
-    while vector:
-        if vector & 1:
-            out ^= matrix[i]
-        vector >>= 1
-        i += 1
-    return out
-
-
-def _gf2_square(matrix: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(_gf2_apply(matrix, column) for column in matrix)
-
-
-@lru_cache(maxsize=1)
-def _one_byte() -> tuple[int, ...]:
-    """The linear operator 'feed one zero byte' on a CRC value, as 32 columns."""
-    base = google_crc32c.extend(0, b"\0")
-    return tuple(google_crc32c.extend(1 << j, b"\0") ^ base for j in range(32))
-
-
-@lru_cache(maxsize=256)
-def _shift_operator(nbytes: int) -> tuple[int, ...]:
-    """The operator 'feed ``nbytes`` zero bytes' (so that crc(A+B) = op(crc(A)) ^ crc(B))."""
-    result: tuple[int, ...] | None = None
-    power = _one_byte()
-    n = nbytes
-    while n:
-        if n & 1:
-            result = power if result is None else tuple(_gf2_apply(power, c) for c in result)
-        n >>= 1
-        if n:
-            power = _gf2_square(power)
-    return result if result is not None else tuple(1 << j for j in range(32))
-
-
-def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
-    """CRC-32C of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` in bytes."""
-    if crc_a == 0 or len_b == 0:
-        return crc_b if len_b else crc_a
-    return _gf2_apply(_shift_operator(len_b), crc_a) ^ crc_b
 
 
 def parse_table(
@@ -159,23 +103,7 @@ def rechunked_message(
     )
 
 
-def grid_shape(shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(-(-d // c) for d, c in zip(shape, chunks))
-
-
-def chunk_number(coords: tuple[int, ...], grid: tuple[int, ...]) -> int:
-    """Position of chunk ``coords`` in C order of the chunk grid."""
-    n = 0
-    for c, g in zip(coords, grid):
-        n = n * g + c
-    return n
-
-
-def table_size(shape: tuple[int, ...], chunks: tuple[int, ...]) -> int:
-    return math.prod(grid_shape(shape, chunks))
-
-
 __all__ = [
-    "CHECKSUMS", "CHUNK_CRC_ATTR", "chunk_number", "crc32c_combine", "crc32c_of", "grid_shape",
-    "is_row_block", "parse_table", "rechunked_message", "table_size",
+    "CHECKSUMS", "CHUNK_CRC_ATTR", "is_row_block", "parse_table", "rechunked_message",
+    "table_chunks",
 ]

@@ -13,10 +13,13 @@ from typing import Any
 
 import zarr
 
-from ..checkpoint import _storage_name
-from ..manifest import tensor_attrs
-from ..naming import node_name
-from ..stores.zarr_store import (
+from ...distributed.location import is_url, storage_options_for
+from ...distributed.plan import TensorPlan
+from ...distributed.shard_spec import ChunkPlan, aligned_chunks
+from ...metadata import tensor_attrs
+from ...naming import node_name
+from ...writing import storage_name
+from .store import (
     ZarrTensorWriter,
     _plain,
     compressors_for,
@@ -25,9 +28,6 @@ from ..stores.zarr_store import (
     native_dtype,
     stored_shape,
 )
-from .location import is_url, storage_options_for
-from .plan import TensorPlan
-from .shard_spec import ChunkPlan, aligned_chunks
 
 
 def chunk_plan(plan: TensorPlan, chunk_bytes: int, *, always_aligned: bool = False) -> ChunkPlan:
@@ -56,7 +56,7 @@ def create_arrays(
         entry = plan.entry
         shape = stored_shape(entry)
         pair = shape[len(plan.stored_shape):]
-        attrs = tensor_attrs(entry, _storage_name(entry, "zarr"))
+        attrs = tensor_attrs(entry, storage_name(entry, "zarr"))
         group.create_array(
             node_name(entry.name),
             shape=shape,

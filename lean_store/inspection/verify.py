@@ -25,10 +25,10 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from .chunking import Region, iter_regions
-from .errors import CheckpointError, IntegrityError, listing
-from .layout import Entry
-from .stores.base import Selection
+from ..chunking import Region, iter_regions
+from ..errors import CheckpointError, IntegrityError, listing
+from ..layout import Entry
+from ..stores.base import Selection
 
 _EMPTY = (1 << 64) - 1  # a Zarr shard index slot with no chunk
 MAX_LISTED_PROBLEMS = 50  # problems str(report) names; ``problems`` holds every one
@@ -102,7 +102,7 @@ def verify(
     """
     if isolate:
         return _verify_isolated(str(path), backend, timeout, memory_limit)
-    from .checkpoint import Checkpoint
+    from ..checkpoint import Checkpoint
 
     report = VerifyReport(str(path))
     try:
@@ -124,7 +124,7 @@ def verify(
 def _verify_isolated(
     path: str, backend: str | None, timeout: float | None, memory_limit: int | None
 ) -> VerifyReport:
-    args = [sys.executable, "-m", "lean_store.verify", path, "--json"]
+    args = [sys.executable, "-m", "lean_store.inspection.verify", path, "--json"]
     if backend:
         args += ["--backend", backend]
     if memory_limit:
@@ -149,7 +149,7 @@ def _verify_isolated(
 
 
 def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lean_store.verify")
+    parser = argparse.ArgumentParser(prog="python -m lean_store.inspection.verify")
     parser.add_argument("path")
     parser.add_argument("--backend", default=None)
     parser.add_argument("--json", action="store_true")
@@ -183,10 +183,11 @@ def _chunk_regions(
 
 
 def _verify_tensor(ck: Any, entry: Entry, report: VerifyReport) -> None:
-    from .checkpoint import _is_row_block, crc32c_update
+    from ..chunking import splits_into_row_blocks
+    from ..integrity import crc32c_update
 
     if ck._shards.get(entry.name):  # saved by lean_store.distributed: one digest per shard
-        from .distributed.sharded_read import verify_sharded_tensor
+        from ..distributed.sharded_read import verify_sharded_tensor
 
         verify_sharded_tensor(ck, entry, report, Problem)
         return
@@ -196,7 +197,7 @@ def _verify_tensor(ck: Any, entry: Entry, report: VerifyReport) -> None:
         report.problems.append(Problem(entry.name, chunk, message))
     shape = entry.shape or (1,)
     chunks = tuple(info.chunk_shape[: len(shape)])
-    in_order = _is_row_block(shape, chunks)  # chunks concatenate to the tensor's bytes
+    in_order = splits_into_row_blocks(shape, chunks)  # chunks concatenate to the tensor's bytes
     crc, readable = 0, True
     for coords, region in _chunk_regions(shape, chunks):
         report.chunks += 1
@@ -301,7 +302,7 @@ _FILTER_NAMES = {1: "deflate", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbi
 
 
 def _zarr_structure(reader: Any, info: Any) -> list[tuple[tuple[int, ...] | None, str]]:
-    from .hardening import codec_names
+    from ..stores.zarr.checks import codec_names
 
     array = reader._array(info.node)
     _outer, inner = codec_names(array.metadata)
@@ -320,8 +321,8 @@ def _shard_index_problems(
 ) -> list[tuple[tuple[int, ...] | None, str]]:
     """Read each shard's index (at its end, crc32c-protected) and report empty or
     out-of-range slots for inner chunks that overlap the array."""
-    from .hardening import zarr_chunk_keys, zarr_grid
-    from .zarr_compat import plain_codecs, sharding_document
+    from ..stores.zarr.checks import zarr_chunk_keys, zarr_grid
+    from ..stores.zarr.compat import plain_codecs, sharding_document
 
     config = sharding_document(array) or {}
     if not plain_codecs(config.get("index_codecs") or []) \

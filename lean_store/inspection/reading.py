@@ -1,6 +1,6 @@
 """Streamed, digest-checked reads in row blocks of a chosen size, and fast exact decoding.
 
-Shared by :mod:`lean_store.stats`, :mod:`lean_store.diff`, :mod:`lean_store.analysis` and the
+Shared by :mod:`.stats`, :mod:`.diff`, :mod:`.analysis` and the
 converters. Row blocks taken in C order concatenate to the tensor's words, so the crc32c digest
 recorded at save time is checked in the same single pass, whatever the block size.
 """
@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .chunking import Region, iter_regions, plan_chunks
-from .errors import IntegrityError
-from .formats import BinaryFormat, ComplexFormat, ExponentFormat, ScalarFormat
-from .layout import Entry
-from .stores.base import Selection
+from ..chunking import Region, iter_regions, plan_chunks
+from ..errors import IntegrityError
+from ..formats import BinaryFormat, ComplexFormat, ExponentFormat, ScalarFormat
+from ..layout import Entry
+from ..stores.base import Selection
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from ..checkpoint import Checkpoint
 
 DEFAULT_BLOCK_BYTES = 8 << 20
 _LUT_MAX_WIDTH = 16
@@ -45,7 +45,7 @@ def iter_words(
     """Raw words of ``entry`` in row blocks (of ``unit``, or about ``block_bytes``), C order.
 
     The crc32c digest is checked after the last block (``unit`` must be a row block)."""
-    from .checkpoint import crc32c_update
+    from ..integrity import crc32c_update
 
     stored = ck._stored[entry.name]
     expected = stored.attrs.get("crc32c") if verify else None

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .formats import BinaryFormat, ComplexFormat, ExponentFormat, ScalarFormat
-from .layout import Difference
+from ..formats import BinaryFormat, ComplexFormat, ExponentFormat, ScalarFormat
+from ..layout import Difference
 from .reading import DEFAULT_BLOCK_BYTES, block_unit, decoder, iter_words
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from ..checkpoint import Checkpoint
 
 
 @dataclass

@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ..chunk_crc import CHUNK_CRC_ATTR, parse_table, table_size
-from ..errors import IntegrityError, UnsafeFileError
-from ..hardening import MAX_ATTR_BYTES, json_depth
+from ...chunking import table_size
+from ...errors import IntegrityError, UnsafeFileError
+from ...hardening import MAX_ATTR_BYTES, json_depth
+from .crc_table import CHUNK_CRC_ATTR, parse_table
 
 MANIFEST_ATTR = "manifest"
 MANIFEST_VERSION = 1

@@ -1,6 +1,6 @@
-"""``lean_store.dcp.StorageReader``: torch.distributed.checkpoint loads any lean_store
+"""``lean_store.interop.dcp.StorageReader``: torch.distributed.checkpoint loads any lean_store
 checkpoint (single-process or sharded, Zarr or HDF5, written by ``ls.save`` or by
-:class:`lean_store.dcp.StorageWriter`) at any world size.
+:class:`lean_store.interop.dcp.StorageWriter`) at any world size.
 
 The metadata DCP plans with comes from the checkpoint itself: every tensor whose format torch
 can hold, with its stored shards as DCP chunks (one whole-tensor chunk for an unsharded
@@ -28,11 +28,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..checkpoint import Checkpoint, detect_backend
-from ..errors import CheckpointError
-from ..layout import Entry
-from ..sources.torch_source import bit_view, dtype_of_format, new_tensor
-from ..stores.base import Selection
+from ...checkpoint import Checkpoint
+from ...errors import CheckpointError
+from ...layout import Entry
+from ...sources.torch_source import bit_view, dtype_of_format, new_tensor
+from ...stores.base import Selection
+from ...stores.registry import detect_backend
 from .objects import ROOT_ATTR, object_bytes, parse_objects
 from .writer import path_string
 
@@ -72,7 +73,7 @@ class StorageReader(storage.StorageReader):
         if self._ck is None:
             if self.path is None:
                 raise CheckpointError(
-                    "lean_store.dcp.StorageReader needs a path (or checkpoint_id)")
+                    "lean_store.interop.dcp.StorageReader needs a path (or checkpoint_id)")
             ck = Checkpoint(self.path)
             try:
                 self._objects = parse_objects(ck.root_attrs.get(ROOT_ATTR), str(self.path))
@@ -174,7 +175,7 @@ def _read(ck: Checkpoint, key: str, region: tuple[slice, ...], out: Any = None) 
 
 
 def _stored_boxes(ck: Checkpoint, entry: Entry) -> list[Any]:
-    from ..distributed.shard_spec import Box
+    from ...distributed.shard_spec import Box
 
     shards = ck._shards.get(entry.name)
     if shards:

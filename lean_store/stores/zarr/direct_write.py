@@ -28,8 +28,8 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from .chunking import Region
-from .zarr_compat import chunk_key, codec_documents, plain_codecs, sharding_document
+from ...chunking import Region
+from .compat import chunk_key, codec_documents, plain_codecs, sharding_document
 
 _EMPTY = np.uint64(2**64 - 1)
 
@@ -48,7 +48,7 @@ class DirectWriter:
     ) -> None:
         self._root = root
         self._array = array
-        self._linker = linker  # incremental steps: a lean_store.incremental.UnitLinker
+        self._linker = linker  # incremental steps: a lean_store.stores.zarr.incremental.UnitLinker
         self._chunks = chunks
         self._shards = shards
         self._chunk_nbytes = math.prod(chunks) * itemsize

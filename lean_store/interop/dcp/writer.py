@@ -1,5 +1,5 @@
-"""``lean_store.dcp.StorageWriter``: torch.distributed.checkpoint writes a lean_store sharded
-checkpoint.
+"""``lean_store.interop.dcp.StorageWriter``: torch.distributed.checkpoint writes a lean_store
+sharded checkpoint.
 
 DCP's planners decide what each rank writes (``WriteItem``: a key, a chunk's offsets and
 sizes, after replicas were deduplicated); this writer maps those chunks onto lean_store's
@@ -10,7 +10,7 @@ sharded layout (``lean_store.distributed``) and reuses its writers:
   array's metadata; each rank's plan carries its part of that plan;
 - ``write_data`` (every rank): each owned chunk is streamed into the store with its crc32c
   digest (Zarr: chunks aligned to the shards; HDF5: this rank's ``shard-R-of-W.h5``), and
-  non-tensor values are turned into plain JSON (:mod:`lean_store.dcp.objects`);
+  non-tensor values are turned into plain JSON (:mod:`lean_store.interop.dcp.objects`);
 - ``finish`` (coordinator): the shard records, the root attributes (``complete`` last), the HDF5
   master file, and the atomic rename into place.
 
@@ -39,19 +39,20 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from ..checkpoint import backend_for
-from ..chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
-from ..distributed import hdf5_sharded, zarr_sharded
-from ..distributed.local_state import Piece
-from ..distributed.location import Location, is_url
-from ..distributed.plan import TensorPlan, collect_digests, shard_records
-from ..distributed.shard_spec import Box, ChunkPlan, assign_owners
-from ..distributed.sharded_save import SHARDED_VERSION, write_box
-from ..errors import CheckpointError
-from ..layout import Layout
-from ..manifest import root_attrs
-from ..naming import check_names
-from ..sources.torch_source import format_of_dtype
+from ...chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
+from ...distributed.local_state import Piece
+from ...distributed.location import Location, is_url
+from ...distributed.plan import TensorPlan, collect_digests, shard_records
+from ...distributed.shard_spec import Box, ChunkPlan, assign_owners
+from ...distributed.sharded_save import SHARDED_VERSION, write_box
+from ...errors import CheckpointError
+from ...layout import Layout
+from ...metadata import root_attrs
+from ...naming import check_names
+from ...sources.torch_source import format_of_dtype
+from ...stores.hdf5 import sharded as hdf5_sharded
+from ...stores.registry import backend_for
+from ...stores.zarr import sharded as zarr_sharded
 from .objects import ROOT_ATTR, encode_object, objects_attr
 
 
@@ -140,11 +141,13 @@ class StorageWriter(storage.StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.path is None:
-            raise CheckpointError("lean_store.dcp.StorageWriter needs a path (or checkpoint_id)")
+            raise CheckpointError(
+                "lean_store.interop.dcp.StorageWriter needs a path (or checkpoint_id)")
         if not kwargs.get("use_collectives", True) and _world_size() > 1:
             raise CheckpointError(
-                "lean_store.dcp.StorageWriter needs DCP's collectives (use_collectives=True): "
-                "its coordinator plans the shards of every rank and commits the checkpoint once"
+                "lean_store.interop.dcp.StorageWriter needs DCP's collectives "
+                "(use_collectives=True): its coordinator plans the shards of every rank and "
+                "commits the checkpoint once"
             )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import CheckpointError
-from .formats import BoolFormat, IntegerFormat
+from ..errors import CheckpointError
+from ..formats import BoolFormat, IntegerFormat
 from .reading import decoder, values_dtype
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from ..checkpoint import Checkpoint
 
 _OPEN: dict[tuple[str, str], Checkpoint] = {}
 _OPEN_LOCK = threading.Lock()
@@ -40,7 +40,7 @@ def _checkpoint(path: str, backend: str) -> Checkpoint:
     with _OPEN_LOCK:
         ck = _OPEN.get(key)
         if ck is None:
-            from .checkpoint import Checkpoint
+            from ..checkpoint import Checkpoint
 
             ck = _OPEN[key] = Checkpoint(path, backend=backend)
         return ck
@@ -73,7 +73,7 @@ class TensorBlocks:
         fmt = self.format
         if self.decode:
             return decoder(fmt)(words)
-        from .checkpoint import as_values
+        from ..checkpoint import as_values
 
         return np.asarray(as_values(words, fmt))
 

@@ -15,9 +15,9 @@ from typing import Any
 import zarr
 from zarr.storage import FsspecStore
 
-from ..distributed.location import Location, storage_options_for
-from .base import StoreWriter
-from .zarr_store import ZarrWriter, compressors_for
+from ...distributed.location import Location, storage_options_for
+from ..base import StoreWriter
+from .store import ZarrWriter, compressors_for
 
 
 def open_url_store(url: str, storage_options: dict[str, Any] | None = None, *,

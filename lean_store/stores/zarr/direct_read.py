@@ -1,6 +1,6 @@
 """Reading Zarr v3 chunks straight from the files of the direct layout (``zarr_direct``).
 
-For arrays whose codecs are exactly what :class:`lean_store.zarr_direct.DirectWriter` writes
+For arrays whose codecs are exactly what :class:`.direct_write.DirectWriter` writes
 (``bytes`` little endian + ``crc32c``, optionally inside ``sharding_indexed`` with a
 ``bytes`` + ``crc32c`` index at the end, row-block chunks inside a shard), a read goes to the
 files themselves instead of zarr's codec pipeline: for each chunk the selection touches, the
@@ -20,10 +20,10 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from .chunking import touched_cells
-from .errors import IntegrityError
-from .zarr_compat import chunk_key, regular_grid, sharding_document
-from .zarr_direct import direct_ok
+from ...chunking import touched_cells
+from ...errors import IntegrityError
+from .compat import chunk_key, regular_grid, sharding_document
+from .direct_write import direct_ok
 
 _EMPTY = 2**64 - 1
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)

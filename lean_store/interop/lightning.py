@@ -1,9 +1,9 @@
 """A PyTorch Lightning ``CheckpointIO`` plugin that writes lean_store checkpoints.
 
 >>> import lightning.pytorch as pl
->>> import lean_store.lightning
->>> trainer = pl.Trainer(plugins=[lean_store.lightning.CheckpointIO()])          # HDF5
->>> trainer = pl.Trainer(plugins=[lean_store.lightning.CheckpointIO(backend="zarr")])
+>>> import lean_store.interop.lightning
+>>> trainer = pl.Trainer(plugins=[lean_store.interop.lightning.CheckpointIO()])          # HDF5
+>>> trainer = pl.Trainer(plugins=[lean_store.interop.lightning.CheckpointIO(backend="zarr")])
 
 Lightning's checkpoint dict is stored without pickle: every tensor and numpy array (model
 ``state_dict``, ``optimizer_states`` moments and steps, callback scores, ...) becomes a chunked,
@@ -28,9 +28,11 @@ from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
 
-from .checkpoint import Checkpoint, is_url, write_source
-from .errors import CheckpointError, IntegrityError
-from .statetree import decode, encode, tensor_names
+from ..checkpoint import Checkpoint
+from ..errors import CheckpointError, IntegrityError
+from ..statetree import decode, encode, tensor_names
+from ..stores.registry import is_url
+from ..writing import write_source
 
 LIGHTNING_FORMAT_VERSION = 1
 VERSION_ATTR = "lightning_format_version"
@@ -57,11 +59,11 @@ class CheckpointIO(_LightningCheckpointIO):
                         storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically (creating its directory, as Lightning's
         own plugin does); refuse what is not plain data or tensors before writing anything."""
-        from .sources import tensor_source
+        from ..sources import tensor_source
 
         if storage_options is not None:
             raise CheckpointError(
-                "lean_store.lightning.CheckpointIO takes no storage_options; pass backend, "
+                "lean_store.interop.lightning.CheckpointIO takes no storage_options; pass backend, "
                 "compression and chunk_bytes to its constructor"
             )
         tensors: dict[str, Any] = {}
@@ -143,8 +145,8 @@ def read_metadata(ck: Checkpoint) -> dict[str, Any]:
 
 def decode_checkpoint(ck: Checkpoint, meta: dict[str, Any], device: Any) -> dict[str, Any]:
     """Inverse of :func:`encode_checkpoint`, reading verified tensors from ``ck``."""
-    from .checkpoint import as_values
-    from .sources.torch_source import dtype_of_format, new_tensor
+    from ..checkpoint import as_values
+    from ..sources.torch_source import dtype_of_format, new_tensor
 
     def lookup(kind: str, name: str) -> Any:
         entry = ck.layout[name]

@@ -145,7 +145,7 @@ def parse_root(
 
 def expected_stored_shape(entry: Entry, backend: str) -> tuple[int, ...]:
     if backend == "zarr":
-        from .stores.zarr_store import stored_shape
+        from .stores.zarr.store import stored_shape
 
         return stored_shape(entry)
     return entry.shape or (1,)
@@ -198,7 +198,7 @@ def _check_tensor(reader: StoreReader, entry: Entry, info: StoredTensor) -> list
         if not reader.file_type_matches(info.node, entry.format):  # type: ignore[attr-defined]
             problems.append(f"tensor {name!r}: HDF5 datatype does not encode {entry.format.tag}")
     else:
-        from .stores.zarr_store import native_dtype
+        from .stores.zarr.store import native_dtype
 
         want = native_dtype(entry.format) or entry.format.storage_dtype
         got_dtype = reader.array_dtype(info.node)  # type: ignore[attr-defined]

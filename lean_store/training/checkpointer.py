@@ -7,8 +7,9 @@ complete, so a step is either listed and whole, or not listed at all. A writer k
 leaves only a hidden temporary, which :meth:`Checkpointer.save` clears away next time.
 
 With ``incremental=True`` (Zarr only) a step hard-links every chunk or shard file that is
-byte-identical to the previous step's instead of writing it (see :mod:`lean_store.incremental`):
-each step is still a complete, standalone store, and deleting any step never damages another.
+byte-identical to the previous step's instead of writing it (see
+:mod:`~lean_store.stores.zarr.incremental`): each step is still a complete, standalone store,
+and deleting any step never damages another.
 
 One directory belongs to one writer at a time. With ``process_group`` (or a DTensor model) the
 writer is the group: every rank calls ``save``/``restore``, each step is a sharded training
@@ -26,12 +27,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import BACKENDS
-from .errors import CheckpointError, ForeignPathError
-from .incremental import IncrementalStats, linking_from
-from .stores.base import remove_path
-from .stores.target import check_replaceable
-from .training import SCHEDULED, TrainingInfo, load_training, save_training
+from ..errors import CheckpointError, ForeignPathError
+from ..stores.base import remove_path
+from ..stores.registry import BACKENDS
+from ..stores.target import check_replaceable
+from ..stores.zarr.incremental import IncrementalStats, linking_from
+from .state import SCHEDULED, TrainingInfo, load_training, save_training
 
 _SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
 _STEP = re.compile(r"^step_(\d{1,19})\.(h5|zarr)$")
@@ -149,17 +150,17 @@ class Checkpointer:
 
     def _comm(self, model: Any, optimizer: Any) -> Any:
         """The collective of a sharded run, or None for a single process."""
-        from .training import is_sharded_training
+        from .state import is_sharded_training
 
         if not is_sharded_training(model, model, optimizer, self.process_group):
             return None
-        from .distributed.collective import Collective
+        from ..distributed.collective import Collective
 
         return Collective(self.process_group)
 
     def _on_rank0(self, comm: Any, work: Any) -> Any:
         """Run ``work()`` on rank 0 only; every rank gets its result or raises its error."""
-        from .distributed.sharded_save import agree
+        from ..distributed.sharded_save import agree
 
         error: BaseException | None = None
         result = None

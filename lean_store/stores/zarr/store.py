@@ -22,10 +22,13 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
-from ..chunking import Region, grow_chunks, plan_chunks
-from ..errors import CheckpointError, CheckpointReplacedError, IntegrityError, UnsafeFileError
-from ..formats import ScalarFormat
-from ..hardening import (
+from ...chunking import Region, grow_chunks, plan_chunks
+from ...errors import CheckpointError, CheckpointReplacedError, IntegrityError, UnsafeFileError
+from ...formats import ScalarFormat
+from ...layout import Entry
+from ...replacement import PinnedRoot, SaveIdWatch, check_unchanged
+from ..base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
+from .checks import (
     check_zarr_array,
     check_zarr_document,
     check_zarr_key,
@@ -35,10 +38,7 @@ from ..hardening import (
     scan_local_zarr,
     touched_keys,
 )
-from ..incremental import linker_for
-from ..layout import Entry
-from ..replacement import PinnedRoot, SaveIdWatch, check_unchanged
-from ..zarr_compat import (
+from .compat import (
     ZarrUserWarning,
     consolidated_group_document,
     crc32c_codec,
@@ -48,9 +48,9 @@ from ..zarr_compat import (
     metadata_document,
     plain_array_document,
 )
-from ..zarr_direct import DirectWriter, direct_ok
-from ..zarr_direct_read import DirectReader, direct_read_ok
-from .base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
+from .direct_read import DirectReader, direct_read_ok
+from .direct_write import DirectWriter, direct_ok
+from .incremental import linker_for
 
 SHARD_FACTOR = 8  # chunks per shard along the split axis, for tensors above SHARD_MIN_CHUNKS
 SHARD_MIN_CHUNKS = 8
@@ -178,7 +178,7 @@ class ZarrTensorWriter(TensorWriter):
                     tuple(s.start // u for s, u in zip(region, self._unit))))
 
     def close(self, attrs: dict[str, Any]) -> None:
-        from ..naming import node_name
+        from ...naming import node_name
 
         if isinstance(self._array, dict):  # written once, with its final attributes
             doc = {**self._array, "attributes": {**self._array["attributes"], **_plain(attrs)}}
@@ -225,7 +225,7 @@ class ZarrWriter(StoreWriter):
         self._all_direct = True
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
-        from ..naming import node_name
+        from ...naming import node_name
 
         fmt = entry.format
         shape = stored_shape(entry)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from h5py import h5t
 
-from ..formats import BinaryFormat, BoolFormat, ComplexFormat, IntegerFormat, ScalarFormat
+from ...formats import BinaryFormat, BoolFormat, ComplexFormat, IntegerFormat, ScalarFormat
 
 _UINT = {1: h5t.STD_U8LE, 2: h5t.STD_U16LE, 4: h5t.STD_U32LE, 8: h5t.STD_U64LE}
 _INT = {1: h5t.STD_I8LE, 2: h5t.STD_I16LE, 4: h5t.STD_I32LE, 8: h5t.STD_I64LE}

@@ -1,0 +1,1 @@
+"""Looking into checkpoints: verify, statistics, diffs, streamed reads, dask/xarray views."""

@@ -1,0 +1,71 @@
+"""CRC-32C (Castagnoli): of a buffer, combined across buffers, and updated block by block.
+
+The one checksum lean_store computes: per chunk on the way in, checked per chunk on the way out,
+and folded into each tensor's whole-tensor digest with :func:`crc32c_combine`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+
+def crc32c_of(bits: Any, crc: int = 0) -> int:
+    """CRC-32C of an array's raw bytes in C order, continuing from ``crc``; no copy when the
+    array is already C-contiguous."""
+    arr = np.asarray(bits)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    if arr.size == 0:
+        return crc
+    return google_crc32c.extend(crc, arr.reshape(-1).view(np.uint8))
+
+
+def _gf2_apply(matrix: tuple[int, ...], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(matrix: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_gf2_apply(matrix, column) for column in matrix)
+
+
+@lru_cache(maxsize=1)
+def _one_byte() -> tuple[int, ...]:
+    """The linear operator 'feed one zero byte' on a CRC value, as 32 columns."""
+    base = google_crc32c.extend(0, b"\0")
+    return tuple(google_crc32c.extend(1 << j, b"\0") ^ base for j in range(32))
+
+
+@lru_cache(maxsize=256)
+def _shift_operator(nbytes: int) -> tuple[int, ...]:
+    """The operator 'feed ``nbytes`` zero bytes' (so that crc(A+B) = op(crc(A)) ^ crc(B))."""
+    result: tuple[int, ...] | None = None
+    power = _one_byte()
+    n = nbytes
+    while n:
+        if n & 1:
+            result = power if result is None else tuple(_gf2_apply(power, c) for c in result)
+        n >>= 1
+        if n:
+            power = _gf2_square(power)
+    return result if result is not None else tuple(1 << j for j in range(32))
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC-32C of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` in bytes."""
+    if crc_a == 0 or len_b == 0:
+        return crc_b if len_b else crc_a
+    return _gf2_apply(_shift_operator(len_b), crc_a) ^ crc_b
+
+
+def crc32c_update(crc: int, bits: np.ndarray) -> int:
+    return crc32c_of(bits, crc)

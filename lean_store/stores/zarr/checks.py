@@ -1,0 +1,258 @@
+"""Checks of hostile or damaged Zarr stores: keys, documents, codecs, chunk files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import IntegrityError, UnsafeFileError
+from ...hardening import (
+    MAX_METADATA_BYTES,
+    MAX_SHARD_BYTES,
+    MAX_TREE_DEPTH,
+    check_chunk_shape,
+    check_json_depth,
+    file_kind,
+)
+
+
+@dataclass
+class LocalTree:
+    """What a walk of a local Zarr directory found: every regular file and its size."""
+
+    root: Path
+    files: dict[str, int] = field(default_factory=dict)  # key relative to root -> size
+    _by_node: dict[str, dict[str, int]] | None = None
+
+    def under(self, node: str) -> dict[str, int]:
+        """The files below ``node`` (key -> size), from one pass over the tree."""
+        if self._by_node is None:
+            self._by_node = {}
+            for key, size in self.files.items():
+                top, sep, _rest = key.partition("/")
+                if sep:
+                    self._by_node.setdefault(top, {})[key] = size
+        if "/" not in node:
+            return self._by_node.get(node, {})
+        prefix = f"{node}/"
+        return {k: v for k, v in self.files.items() if k.startswith(prefix)}
+
+
+def scan_local_zarr(root: Path) -> LocalTree:
+    """Walk a Zarr directory once, without following links: reject any symlink or special
+    file, and over-large metadata documents. The walk is bounded by what is on disk. The root
+    ``zarr.json``'s nesting is checked here; an array's own ``zarr.json`` is checked (size and
+    nesting) by whoever parses it: :func:`read_json_at`, or :func:`check_zarr_document` before
+    zarr opens the array."""
+    tree = LocalTree(root)
+    if not (root / "zarr.json").exists():
+        return tree  # the zarr open that follows reports the missing metadata
+    pending = [("", 0)]  # iterative, depth-first: no recursion, bounded depth
+    while pending:
+        prefix, depth = pending.pop()
+        try:
+            entries = list(os.scandir(root / prefix if prefix else root))
+        except OSError as exc:
+            raise IntegrityError(f"{prefix or '.'}: unreadable directory ({exc})") from None
+        for entry in entries:
+            key = prefix + entry.name
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode):
+                raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
+            if stat.S_ISDIR(info.st_mode):
+                if depth + 1 > MAX_TREE_DEPTH:
+                    raise UnsafeFileError(
+                        f"{key}: directories nested more than {MAX_TREE_DEPTH} deep inside the "
+                        "checkpoint; no lean_store writer makes them"
+                    )
+                pending.append((key + "/", depth + 1))
+                continue
+            if not stat.S_ISREG(info.st_mode):
+                raise UnsafeFileError(f"{key}: {file_kind(info.st_mode)} inside the checkpoint")
+            if entry.name == "zarr.json":
+                if info.st_size > MAX_METADATA_BYTES:
+                    raise UnsafeFileError(f"{key}: {info.st_size} bytes of metadata")
+                if not prefix:
+                    check_zarr_document(root, key)
+            tree.files[key] = info.st_size
+    return tree
+
+
+def check_zarr_document(root: Path, key: str) -> None:
+    """Bounded size and nesting of the metadata document ``key`` below ``root``, checked on
+    the raw bytes before zarr parses them."""
+    try:
+        with (root / key).open("rb") as f:
+            raw = f.read(MAX_METADATA_BYTES + 1)
+    except OSError:
+        return  # missing or unreadable: the zarr open that follows reports it
+    if len(raw) > MAX_METADATA_BYTES:
+        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
+    check_json_depth(raw, key)
+
+
+def read_json_at(dir_fd: int, key: str) -> Any:
+    """The JSON document at ``key`` below the directory ``dir_fd`` (no link followed), with
+    the bounds of :func:`scan_local_zarr` (size, nesting) checked on the raw bytes before it is
+    parsed. Missing, unreadable or malformed: :class:`IntegrityError`."""
+
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(key, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_METADATA_BYTES + 1)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
+    if len(raw) > MAX_METADATA_BYTES:
+        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
+    check_json_depth(raw, key)
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise IntegrityError(f"{key}: not valid JSON ({exc})") from None
+
+
+def check_zarr_key(key: str) -> None:
+    """A store key must stay inside the store: no absolute paths, no ``..``, no backslashes."""
+    if (
+        not key or key.startswith("/") or "\\" in key or "\x00" in key
+        or any(part in ("", ".", "..") for part in key.split("/"))
+    ):
+        raise UnsafeFileError(f"store key {key!r} escapes or is malformed")
+
+
+def codec_names(metadata: Any) -> tuple[list[str], list[str]]:
+    """(outer codec class names, inner codec class names; inner = outer without sharding)."""
+    outer = [type(c).__name__ for c in getattr(metadata, "codecs", ())]
+    inner = outer
+    for codec in getattr(metadata, "codecs", ()):
+        if type(codec).__name__ == "ShardingCodec":
+            inner = [type(c).__name__ for c in codec.codecs]
+            index = [type(c).__name__ for c in codec.index_codecs]
+            unknown = [n for n in inner + index if n not in ZARR_CODECS or n == "ShardingCodec"]
+            if unknown:
+                raise UnsafeFileError(f"unsupported codecs inside a shard: {unknown}")
+    return outer, inner
+
+
+def check_zarr_array(node: str, array: Any) -> None:
+    """Only the codecs lean_store writes; bounded chunk and shard shapes."""
+    meta = array.metadata
+    outer, _inner = codec_names(meta)
+    unknown = [n for n in outer if n not in ZARR_CODECS]
+    if unknown:
+        raise UnsafeFileError(f"{node!r}: unsupported Zarr codecs {unknown}")
+    if getattr(meta, "storage_transformers", ()):
+        raise UnsafeFileError(f"{node!r}: storage transformers are not supported")
+    shape = tuple(array.shape)
+    itemsize = array.dtype.itemsize
+    outer_chunks = zarr_grid(node, array)
+    check_chunk_shape(node, tuple(array.chunks), shape, itemsize)
+    check_chunk_shape(node, outer_chunks, shape, itemsize, MAX_SHARD_BYTES)
+
+
+def zarr_chunk_keys(node: str, array: Any, present: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, grid coordinates) of every chunk or shard file of ``array``, keys relative to the
+    store root. Raises before enumerating when the grid claims more files than ``present``."""
+    from .compat import chunk_key
+
+    outer = zarr_grid(node, array)
+    grid = tuple(-(-int(d) // int(c)) for d, c in zip(array.shape, outer))
+    expected = math.prod(grid)
+    if expected > present:
+        raise IntegrityError(
+            f"{node!r}: {present} of {expected} chunk files are present; the checkpoint is "
+            "truncated or was never completely written"
+        )
+    return [(f"{node}/{chunk_key(array, coords)}", coords) for coords in np.ndindex(*grid)]
+
+
+def zarr_expected_file_size(array: Any, coords: tuple[int, ...]) -> int | None:
+    """Exact size of the chunk/shard file at ``coords`` when no compressor is used, else None.
+    A shard at the edge holds only the inner chunks that overlap the array."""
+    meta = array.metadata
+    outer, inner = codec_names(meta)
+    if any(n in ZARR_COMPRESSORS for n in inner) or "BytesCodec" not in inner:
+        return None
+    crc = 4 if "Crc32cCodec" in inner else 0
+    inner_bytes = math.prod(array.chunks) * array.dtype.itemsize + crc
+    if "ShardingCodec" not in outer:
+        return inner_bytes
+    shard = next(c for c in meta.codecs if type(c).__name__ == "ShardingCodec")
+    shard_shape = zarr_grid("array", array)
+    n_slots = math.prod(s // c for s, c in zip(shard_shape, shard.chunk_shape))
+    n_inner = math.prod(
+        -(-min(s, d - i * s) // c)
+        for s, c, d, i in zip(shard_shape, shard.chunk_shape, array.shape, coords)
+    )
+    index_crc = 4 if any(type(c).__name__ == "Crc32cCodec" for c in shard.index_codecs) else 0
+    return n_inner * inner_bytes + 16 * n_slots + index_crc
+
+
+def check_zarr_present(node: str, array: Any, tree: LocalTree) -> None:
+    """Every chunk (shard) file is present and, uncompressed, exactly the right size."""
+    if math.prod(array.shape) == 0:
+        return
+    present = tree.under(node)
+    for key, coords in zarr_chunk_keys(node, array, len(present)):
+        got = present.get(key)
+        if got is None:
+            raise IntegrityError(f"{node!r}: chunk file {key!r} is missing; the data is truncated")
+        size = zarr_expected_file_size(array, coords)
+        if size is not None and got != size:
+            raise IntegrityError(
+                f"{node!r}: chunk file {key!r} has {got} bytes, expected {size}; it is truncated "
+                "or corrupt"
+            )
+
+
+def touched_keys(node: str, array: Any, selection: Any) -> list[str]:
+    """Store keys of the chunk (shard) files a strided selection reads. The selection covers
+    the tensor's axes; a trailing (re, im) axis of word pairs is read whole."""
+    from ...chunking import touched_cells
+    from .compat import chunk_key, store_and_prefix
+
+    outer = zarr_grid(node, array)
+    cells = touched_cells(selection.start, selection.count, selection.step, outer,
+                          tuple(int(d) for d in array.shape))
+    _store, prefix = store_and_prefix(array)
+    base = f"{prefix}/" if prefix else ""
+    return [base + chunk_key(array, coords) for coords in cells]
+
+
+def check_zarr_keys_exist(node: str, array: Any, keys: list[str]) -> None:
+    """For non-local stores: each key must exist (a missing chunk must never read as fill)."""
+    from .compat import store_and_prefix, store_has
+
+    store, _prefix = store_and_prefix(array)
+    for key in keys:
+        if not store_has(store, key):
+            raise IntegrityError(f"{node!r}: chunk {key!r} is missing; the data is truncated")
+
+
+def zarr_grid(node: str, array: Any) -> tuple[int, ...]:
+    """The shape of one cell (shard, or chunk when unsharded) of ``array``'s regular grid."""
+    from .compat import regular_grid
+
+    outer = regular_grid(array)
+    if outer is None or len(outer) != len(array.shape):
+        raise UnsafeFileError(f"{node!r}: not a regular Zarr chunk grid")
+    return outer
+
+
+ZARR_CODECS = frozenset(
+    {"BytesCodec", "Crc32cCodec", "ShardingCodec", "ZstdCodec", "GzipCodec", "BloscCodec"}
+)
+
+
+ZARR_COMPRESSORS = frozenset({"ZstdCodec", "GzipCodec", "BloscCodec"})
