@@ -220,7 +220,7 @@ def save_async(
     """
     from .naming import check_names
     from .sources import tensor_source
-    from .stores.registry import backend_for
+    from .stores.registry import backend_for, backend_record
     from .writing import write_source
 
     source = tensor_source(obj)  # validates formats and names before copying anything
@@ -233,7 +233,8 @@ def save_async(
         raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
     from .stores.target import check_replaceable
 
-    check_replaceable(path, directory=backend == "zarr")  # a foreign path: refused here
+    # a foreign path: refused here
+    check_replaceable(path, directory=backend_record(backend).directory)
     kind = "module" if callable(getattr(obj, "state_dict", None)) else "state"
     frozen = tensor_source(snapshot_of(obj, snapshot))
 

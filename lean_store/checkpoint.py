@@ -18,14 +18,13 @@ from .chunking import (
     iter_regions,
     plan_chunks,
     splits_into_row_blocks,
-    stored_rank_shape,
 )
 from .encoded import Encoded
 from .errors import CheckpointError, CheckpointReplacedError, FormatError, IntegrityError
 from .formats import ScalarFormat, get
 from .indexing import basic_index
 from .integrity import crc32c_combine, crc32c_update
-from .layout import Difference, Entry, Layout, layout_error
+from .layout import Difference, Entry, Layout, layout_error, stored_rank_shape
 from .metadata import check_stored, parse_root
 from .progress import make_progress
 from .sources import TargetTensor, tensor_source, tensor_targets
@@ -603,7 +602,7 @@ def _state_of(
 ) -> dict[str, Any]:
     devices: dict[str, Any] = {}
     if like is not None:
-        like_layout = Layout.of(like)
+        like_layout = tensor_source(like).layout
         devices = _devices_of(like)
         expected = expected_with_casts(ck.layout, like_layout, casts)
         ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,

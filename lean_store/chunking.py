@@ -12,10 +12,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .layout import Entry
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 1 << 10
@@ -115,10 +111,6 @@ def chunk_number(coords: tuple[int, ...], grid: tuple[int, ...]) -> int:
 
 def table_size(shape: tuple[int, ...], chunks: tuple[int, ...]) -> int:
     return math.prod(grid_shape(shape, chunks))
-
-
-def stored_rank_shape(entry: Entry) -> tuple[int, ...]:
-    return entry.shape or (1,)
 
 
 def splits_into_row_blocks(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:

@@ -102,15 +102,6 @@ class Layout(Sequence[Entry]):
         )
 
     @classmethod
-    def of(cls, obj: Any) -> Layout:
-        """The layout of a torch module, a state dict, a mapping of arrays or ``Encoded``."""
-        if isinstance(obj, Layout):
-            return obj
-        from .sources import tensor_source
-
-        return tensor_source(obj).layout
-
-    @classmethod
     def from_json(cls, items: Any) -> Layout:
         """Inverse of :meth:`to_json`; malformed input raises LayoutError or FormatError."""
         if not isinstance(items, list):
@@ -233,3 +224,7 @@ def layout_error(diffs: list[Difference], what: str = "checkpoint layout") -> La
     lines = listing([str(d) for d in diffs])
     noun = "difference" if len(diffs) == 1 else "differences"
     return LayoutError(f"{what} does not match ({len(diffs)} {noun}):\n{lines}", diffs)
+
+
+def stored_rank_shape(entry: Entry) -> tuple[int, ...]:
+    return entry.shape or (1,)

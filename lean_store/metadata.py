@@ -143,14 +143,6 @@ def parse_root(
     return version, kind, layout
 
 
-def expected_stored_shape(entry: Entry, backend: str) -> tuple[int, ...]:
-    if backend == "zarr":
-        from .stores.zarr.store import stored_shape
-
-        return stored_shape(entry)
-    return entry.shape or (1,)
-
-
 def check_stored(reader: StoreReader, layout: Layout, where: str) -> dict[str, StoredTensor]:
     """Compare every dataset with the layout; raise one IntegrityError listing every problem."""
     problems: list[str] = []
@@ -188,7 +180,7 @@ def _check_tensor(reader: StoreReader, entry: Entry, info: StoredTensor) -> list
             problems.append(
                 f"tensor {name!r}: attribute {key} is {got!r}, layout says {wanted[key]!r}"
             )
-    shape = expected_stored_shape(entry, reader.backend)
+    shape = reader.stored_shape_of(entry)
     if info.stored_shape != shape:
         problems.append(
             f"tensor {name!r}: payload shape {info.stored_shape} disagrees with shape "

@@ -8,14 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .chunking import iter_regions, stored_rank_shape
+from .chunking import iter_regions
 from .integrity import crc32c_combine, crc32c_of
-from .layout import Entry, Layout
+from .layout import Entry, Layout, stored_rank_shape
 from .metadata import root_attrs, tensor_attrs
 from .naming import check_names
 from .progress import make_progress
 from .sources import TensorSource
-from .stores.registry import backend_for, open_writer
+from .stores.registry import backend_for, backend_record, open_writer
 from .stream import staged
 
 OVERLAP_CRC_BYTES = 1 << 20
@@ -49,11 +49,11 @@ def write_source(
     backend = backend_for(path, backend)
     writer = open_writer(path, backend, chunk_bytes=chunk_bytes, compression=compression,
                          checksum=checksum, storage_options=storage_options)
-    storage = "hdf5" if backend == "hdf5" else "zarr"
+    storage_of = backend_record(backend).storage_name
 
     def units() -> Iterator[tuple[Any, Any, Any]]:
         for entry, tensor in source.tensors():
-            sink = writer.add_tensor(entry, tensor_attrs(entry, storage_name(entry, storage)))
+            sink = writer.add_tensor(entry, tensor_attrs(entry, storage_of(entry.format)))
             for region in iter_regions(stored_rank_shape(entry), sink.write_unit):
                 yield sink, tensor, region
             yield sink, None, None  # end of this tensor
@@ -89,10 +89,5 @@ def write_source(
 
 
 def storage_name(entry: Entry, backend: str) -> str:
-    if backend == "hdf5":
-        from .stores.hdf5.types import storage_kind
-
-        return storage_kind(entry.format)
-    from .stores.zarr.store import native_dtype
-
-    return "native" if native_dtype(entry.format) is not None else "raw"
+    """The ``storage`` attribute ``backend`` writes for ``entry``."""
+    return backend_record(backend).storage_name(entry.format)

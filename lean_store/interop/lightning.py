@@ -31,13 +31,12 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _Lightning
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, IntegrityError
 from ..statetree import decode, encode, tensor_names
-from ..stores.registry import is_url
+from ..stores.registry import BACKENDS, is_url
 from ..writing import write_source
 
 LIGHTNING_FORMAT_VERSION = 1
 VERSION_ATTR = "lightning_format_version"
 META_ATTR = "lightning"
-BACKENDS = ("hdf5", "zarr")
 
 
 class CheckpointIO(_LightningCheckpointIO):

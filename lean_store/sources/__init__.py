@@ -6,6 +6,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from ..layout import Layout
 from .base import TargetTensor, TensorSource
 from .numpy_source import MappingSource, is_array_mapping, non_array_entry
 
@@ -19,6 +20,11 @@ def is_torch_state(obj: Any) -> bool:
     if isinstance(obj, dict) and obj and any(isinstance(v, torch.Tensor) for v in obj.values()):
         return True
     return False
+
+
+def layout_of(obj: Any) -> Layout:
+    """The layout of a torch module, a state dict, a mapping of arrays or ``Encoded``."""
+    return obj if isinstance(obj, Layout) else tensor_source(obj).layout
 
 
 def tensor_source(obj: Any) -> TensorSource:

@@ -163,6 +163,10 @@ class StoreReader(ABC):
     backend: str = ""
     root_attrs: dict[str, Any]
 
+    def stored_shape_of(self, entry: Entry) -> tuple[int, ...]:
+        """The shape of the dataset this backend stores ``entry`` in."""
+        return entry.shape or (1,)
+
     @abstractmethod
     def nodes(self) -> list[str]:
         """Node names of every dataset at the root, sorted."""

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import CheckpointError, ForeignPathError
 from ..stores.base import remove_path
-from ..stores.registry import BACKENDS
+from ..stores.registry import BACKENDS, backend_record
 from ..stores.target import check_replaceable
 from ..stores.zarr.incremental import IncrementalStats, linking_from
 from .state import SCHEDULED, TrainingInfo, load_training, save_training
@@ -52,7 +52,7 @@ class Checkpointer:
                  process_group: Any = None, incremental: bool = False) -> None:
         if backend not in BACKENDS:
             raise CheckpointError(f"unknown backend {backend!r}; use one of {BACKENDS}")
-        if incremental and backend != "zarr":
+        if incremental and not backend_record(backend).incremental:
             raise CheckpointError(
                 "incremental=True needs backend='zarr': unchanged chunks are shared between "
                 "steps as hard-linked chunk files, and an HDF5 checkpoint is one file (sharing "

@@ -32,8 +32,6 @@ def read_hdf5_attrs(obj: Any, where: str) -> dict[str, Any]:
     """Attributes of an h5py object, each checked for type and size *before* it is read."""
     import h5py
 
-    from .store import from_hdf5_attr
-
     try:
         names = list(obj.attrs.keys())
     except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
@@ -123,3 +121,13 @@ def _hdf5_precision(ftype: Any) -> int:
 
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def from_hdf5_attr(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.ndarray):
+        return tuple(int(v) for v in value.reshape(-1)) if value.dtype.kind in "iu" else value
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

@@ -29,7 +29,8 @@ from ...metadata import tensor_attrs
 from ...naming import node_name
 from ...replacement import PinnedRoot, check_unchanged
 from ..base import Selection, StoredTensor
-from .store import HDF5Reader, HDF5Writer, from_hdf5_attr, to_hdf5_attr
+from .checks import from_hdf5_attr
+from .store import HDF5Reader, HDF5Writer, to_hdf5_attr
 from .types import hdf5_type, storage_kind
 
 MASTER_NAME = "lean_store.h5"

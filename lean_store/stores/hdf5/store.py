@@ -33,7 +33,7 @@ from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_chunk_shape, chunk_cou
 from ...integrity import crc32c_of
 from ...layout import Entry
 from ..base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
-from .checks import check_hdf5_present, read_hdf5_attrs
+from .checks import check_hdf5_present, from_hdf5_attr, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
 from .manifest import (
@@ -112,16 +112,6 @@ def write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> No
             attr.write(data, mtype=types[1])
         finally:
             attr.close()
-
-
-def from_hdf5_attr(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.decode("utf-8")
-    if isinstance(value, np.ndarray):
-        return tuple(int(v) for v in value.reshape(-1)) if value.dtype.kind in "iu" else value
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
 
 
 def read_attrs(oid: Any, where: str, names: list[str] | None = None) -> dict[str, Any]:

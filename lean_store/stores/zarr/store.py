@@ -285,6 +285,9 @@ class ZarrWriter(StoreWriter):
 class ZarrReader(StoreReader):
     backend = "zarr"
 
+    def stored_shape_of(self, entry: Entry) -> tuple[int, ...]:
+        return stored_shape(entry)
+
     def __init__(self, source: Any, where: str | None = None) -> None:
         """``where``: how errors name the store (default: ``str(source)``)."""
         self._root: Path | None = local_root(source)  # a directory, or None: any other store
