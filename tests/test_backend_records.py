@@ -45,7 +45,7 @@ def test_the_record_recognises_what_its_backend_wrote(tmp_path: Path, backend: s
 def test_a_checksum_the_backend_lacks_is_a_clear_error(tmp_path: Path, backend: str) -> None:
     record = backend_record(backend)
     path = tmp_path / f"ck{record.suffixes[0]}"
-    with pytest.raises(ls.CheckpointError, match=f"{backend} checksums are .*'md5'"):
+    with pytest.raises(ls.CheckpointError, match=f"{record.title} checksums are .*'md5'"):
         ls.save({"w": np.zeros(3, np.float32)}, path, checksum="md5")
     assert not path.exists()
 

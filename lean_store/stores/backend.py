@@ -21,6 +21,8 @@ from .base import StoreReader, StoreWriter
 class Backend:
     name: str
     """``"hdf5"`` or ``"zarr"``: the value of ``backend=`` and of ``Checkpoint.backend``."""
+    title: str
+    """How messages name it: ``"HDF5"``, ``"Zarr"``."""
     suffixes: tuple[str, ...]
     """Path suffixes that name this backend (lower case, with the dot)."""
     directory: bool
@@ -48,4 +50,4 @@ class Backend:
         if checksum not in self.checksums:
             allowed = ", ".join(repr(c) for c in self.checksums if c is not None)
             raise CheckpointError(
-                f"{self.name} checksums are {allowed}, not {checksum!r}")
+                f"{self.title} checksums are {allowed}, not {checksum!r}")

@@ -39,7 +39,7 @@ def _stored_shape(entry: Entry) -> tuple[int, ...]:
 
 
 HDF5 = Backend(
-    name="hdf5", suffixes=(".h5", ".hdf5", ".hdf"), directory=False, urls=False,
+    name="hdf5", title="HDF5", suffixes=(".h5", ".hdf5", ".hdf"), directory=False, urls=False,
     incremental=False, checksums=(None, *CHECKSUMS),
     storage_name=storage_kind, stored_shape=_stored_shape, holds=_holds,
     writer=_writer, reader=_reader,

@@ -42,7 +42,7 @@ def _reader(path: Any, *, storage_options: dict[str, Any] | None = None) -> Stor
 
 
 ZARR = Backend(
-    name="zarr", suffixes=(".zarr",), directory=True, urls=True, incremental=True,
+    name="zarr", title="Zarr", suffixes=(".zarr",), directory=True, urls=True, incremental=True,
     checksums=(None, "crc32c"), storage_name=_storage_name, stored_shape=stored_shape,
     holds=_holds, writer=_writer, reader=_reader,
 )
