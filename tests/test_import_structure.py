@@ -122,3 +122,17 @@ def test_the_core_does_not_import_the_layers_above_it() -> None:
     graph = import_graph()
     offenders = {m: sorted(t for t in graph[m] if t.startswith(above)) for m in core}
     assert {m: t for m, t in offenders.items() if t} == {}
+
+
+def test_importing_lean_store_loads_no_backend_library() -> None:
+    """h5py, zarr and torch load when first needed: ``import lean_store`` stays cheap (forked
+    writers, CLIs and workers import it often)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lean_store\n"
+            "print(sorted(m for m in ('h5py', 'zarr', 'torch') if m in sys.modules))")
+    env_path = str(PACKAGE.parent)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "[]"

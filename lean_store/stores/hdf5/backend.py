@@ -5,12 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ...formats import ScalarFormat
 from ...layout import Entry
 from ..backend import Backend
 from ..base import StoreReader, StoreWriter
 from .checks import hdf5_superblock_offset
 from .crc_table import CHECKSUMS
-from .types import storage_kind
+
+# h5py loads when an HDF5 checkpoint is first written or read, not on import.
+
+
+def _storage_name(fmt: ScalarFormat) -> str:
+    from .types import storage_kind
+
+    return storage_kind(fmt)
 
 
 def _holds(path: Path) -> bool:
@@ -41,6 +49,6 @@ def _stored_shape(entry: Entry) -> tuple[int, ...]:
 HDF5 = Backend(
     name="hdf5", title="HDF5", suffixes=(".h5", ".hdf5", ".hdf"), directory=False, urls=False,
     incremental=False, checksums=(None, *CHECKSUMS),
-    storage_name=storage_kind, stored_shape=_stored_shape, holds=_holds,
+    storage_name=_storage_name, stored_shape=_stored_shape, holds=_holds,
     writer=_writer, reader=_reader,
 )

@@ -6,13 +6,23 @@ from pathlib import Path
 from typing import Any
 
 from ...formats import ScalarFormat
+from ...layout import Entry
 from ..backend import Backend
 from ..base import StoreReader, StoreWriter
-from .store import native_dtype, stored_shape
+
+# zarr and its codecs load when a Zarr checkpoint is first written or read, not on import.
 
 
 def _storage_name(fmt: ScalarFormat) -> str:
+    from .store import native_dtype
+
     return "native" if native_dtype(fmt) is not None else "raw"
+
+
+def _stored_shape(entry: Entry) -> tuple[int, ...]:
+    from .store import stored_shape
+
+    return stored_shape(entry)
 
 
 def _holds(path: Path) -> bool:
@@ -43,6 +53,6 @@ def _reader(path: Any, *, storage_options: dict[str, Any] | None = None) -> Stor
 
 ZARR = Backend(
     name="zarr", title="Zarr", suffixes=(".zarr",), directory=True, urls=True, incremental=True,
-    checksums=(None, "crc32c"), storage_name=_storage_name, stored_shape=stored_shape,
+    checksums=(None, "crc32c"), storage_name=_storage_name, stored_shape=_stored_shape,
     holds=_holds, writer=_writer, reader=_reader,
 )
