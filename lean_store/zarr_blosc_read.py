@@ -5,10 +5,9 @@
 ``crc32c`` at the end): a stored chunk is one Blosc 1 frame (16-byte header, then the shuffled,
 compressed blocks) followed by the CRC-32C of that frame. :class:`lean_store.zarr_direct_read.
 DirectReader` reads such a chunk with one ``pread``, checks the CRC-32C over the frame, checks
-the frame's header (format version, the decompressed size equal to the chunk's, the compressed
-size equal to the bytes stored), and only then lets numcodecs' Blosc (the library zarr itself
-calls) decompress it straight into the output: zarr-python's pipeline costs about half the load
-speed on top of the decompression (docs/PERFORMANCE.md).
+the frame's header (:mod:`lean_store.blosc_frames`), and only then lets numcodecs' Blosc (the
+library zarr itself calls) decompress it straight into the output: zarr-python's pipeline
+costs about half the load speed on top of the decompression (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -17,15 +16,10 @@ from typing import Any
 
 import google_crc32c
 import numpy as np
-from numcodecs import blosc
 
+from .blosc_frames import HEADER, decode_frame, frame_size_limit
 from .zarr_compat import codec_documents, sharding_document
 
-BLOSC_HEADER = 16
-"""Bytes of a Blosc 1 frame header: version, codec version, flags, typesize, then the
-decompressed size, block size and compressed size (frame included) as little-endian uint32."""
-BLOSC_MAX_OVERHEAD = 16  # a frame is at most its input plus the header (stored uncompressed)
-BLOSC_FORMAT = 2  # the frame format c-blosc 1.x writes (BLOSC_VERSION_FORMAT)
 _CNAMES = {"blosclz", "lz4", "lz4hc", "snappy", "zlib", "zstd"}
 _SHUFFLES = {"noshuffle", "shuffle", "bitshuffle"}
 
@@ -64,12 +58,12 @@ def blosc_layout(array: Any) -> bool:
 
 def stored_size_limit(chunk_nbytes: int) -> int:
     """The most bytes a stored chunk (frame and CRC) of ``chunk_nbytes`` can take."""
-    return chunk_nbytes + BLOSC_MAX_OVERHEAD + 4
+    return frame_size_limit(chunk_nbytes) + 4
 
 
 def stored_size_ok(nbytes: int, chunk_nbytes: int) -> bool:
     """A stored chunk of ``nbytes`` (frame and CRC) can hold a chunk of ``chunk_nbytes``."""
-    return BLOSC_HEADER + 4 <= nbytes <= stored_size_limit(chunk_nbytes)
+    return HEADER + 4 <= nbytes <= stored_size_limit(chunk_nbytes)
 
 
 def decode_chunk(stored: np.ndarray, chunk_nbytes: int, dst: np.ndarray) -> str | None:
@@ -80,19 +74,7 @@ def decode_chunk(stored: np.ndarray, chunk_nbytes: int, dst: np.ndarray) -> str 
     crc = google_crc32c.value(frame)
     if crc != int.from_bytes(tail.tobytes(), "little"):
         return f"fails its crc32c check (computed {crc:#010x})"
-    head = frame[:BLOSC_HEADER].tobytes()
-    nbytes, _block, cbytes = (int.from_bytes(head[i:i + 4], "little") for i in (4, 8, 12))
-    if head[0] != BLOSC_FORMAT or nbytes != chunk_nbytes or cbytes != frame.size:
-        return (f"has a bad Blosc header (format {head[0]}, {nbytes} bytes from {cbytes}; "
-                f"expected {chunk_nbytes} bytes from {frame.size})")
-    target = dst if dst.size == chunk_nbytes else np.empty(chunk_nbytes, np.uint8)
-    try:
-        blosc.decompress(frame, target)
-    except (RuntimeError, ValueError) as exc:
-        return f"does not decompress ({exc})"
-    if target is not dst:
-        dst[...] = target[: dst.size]
-    return None
+    return decode_frame(frame, chunk_nbytes, dst)
 
 
 __all__ = ["blosc_layout", "decode_chunk", "stored_size_limit", "stored_size_ok"]
