@@ -900,7 +900,13 @@ def _h5_descriptor(file: h5py.File) -> tuple[int | None, int]:
 def _h5read(node: str, ds: h5py.Dataset, ftype: Any, selection: Selection, out: np.ndarray
             ) -> None:
     """H5Dread of ``selection`` into the C-contiguous ``out``, the memory type equal to the
-    file type (no conversion; HDF5 reads unfiltered chunks straight into ``out``)."""
+    file type (no conversion; HDF5 reads unfiltered chunks straight into ``out``). Never for
+    a dataset with the Blosc filter: HDF5 would look for it as a plugin (lean_store loads none
+    for its files and decodes Blosc chunks itself, whole chunks through ``H5Dread_chunk``)."""
+    if BLOSC_FILTER in _filter_ids(ds):
+        raise UnsafeFileError(
+            f"tensor {node!r}: a Blosc dataset is read by whole chunks with its chunk_crc32c "
+            "table; this read would need HDF5's filter plugin, which lean_store never loads")
     count = selection.count
     fspace = ds.id.get_space()
     fspace.select_hyperslab(selection.start, count, selection.step)
@@ -909,6 +915,11 @@ def _h5read(node: str, ds: h5py.Dataset, ftype: Any, selection: Selection, out: 
         ds.id.read(h5s.create_simple(count), fspace, buf, mtype=ftype)
     except (OSError, RuntimeError, ValueError) as exc:
         raise IntegrityError(f"tensor {node!r}: HDF5 read failed ({exc})") from None
+
+
+def _filter_ids(ds: h5py.Dataset) -> list[int]:
+    dcpl = ds.id.get_create_plist()
+    return [dcpl.get_filter(i)[0] for i in range(dcpl.get_nfilters())]
 
 
 def _prefix_of_chunk(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:

@@ -155,17 +155,19 @@ class BloscChunks:
 
 
 def read_blosc_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes: int,
-                     fletcher32: bool, dst: np.ndarray) -> bool:
+                     fletcher32: bool, dst: np.ndarray) -> None:
     """The chunk at ``start`` of a Blosc dataset, decompressed into ``dst`` (flat uint8: the
     whole chunk, or a prefix of it), through ``H5Dread_chunk`` and numcodecs: no HDF5 filter
-    is needed. False when the chunk was stored with the filter skipped (HDF5 reads it then)."""
+    is needed. A chunk whose filter mask skips Blosc is refused: hdf5-blosc never skips it, and
+    lean_store never lets HDF5 run a pipeline holding a filter it would load as a plugin."""
     try:
         mask, raw = dsid.read_direct_chunk(start)
     except (OSError, RuntimeError, ValueError, KeyError) as exc:
         raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} unreadable ({exc})"
                              ) from None
     if mask != 0:
-        return False
+        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} skips filters (mask "
+                             f"{mask:#x}); Blosc chunks are never stored so")
     if fletcher32:
         try:
             raw = _FLETCHER32.decode(raw)
@@ -175,7 +177,6 @@ def read_blosc_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes:
     if problem is not None:
         raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} {problem}; the file is "
                              "corrupt")
-    return True
 
 
 def read_blosc_region(node: str, dsid: Any, start: tuple[int, ...], count: tuple[int, ...],
@@ -183,15 +184,15 @@ def read_blosc_region(node: str, dsid: Any, start: tuple[int, ...], count: tuple
                       out: np.ndarray) -> bool:
     """The region ``start``/``count`` (at the origin of a chunk, inside it) of a Blosc
     dataset into the C-contiguous ``out``; straight into ``out`` when the region is a prefix
-    of the chunk's bytes (a whole chunk, or a row-block edge chunk)."""
+    of the chunk's bytes (a whole chunk, or a row-block edge chunk). Always True."""
     chunk_nbytes = math.prod(chunks) * itemsize
     flat = out.reshape(-1).view(np.uint8)
     clipped = [i for i, (n, c) in enumerate(zip(count, chunks)) if n < c]
     if not clipped or (len(clipped) == 1 and all(c == 1 for c in chunks[: clipped[0]])):
-        return read_blosc_chunk(node, dsid, start, chunk_nbytes, fletcher32, flat)
+        read_blosc_chunk(node, dsid, start, chunk_nbytes, fletcher32, flat)
+        return True
     scratch = np.empty(chunk_nbytes, np.uint8)
-    if not read_blosc_chunk(node, dsid, start, chunk_nbytes, fletcher32, scratch):
-        return False
+    read_blosc_chunk(node, dsid, start, chunk_nbytes, fletcher32, scratch)
     item = np.dtype((np.void, itemsize))
     flat.view(item).reshape(count)[...] = scratch.view(item).reshape(chunks)[
         tuple(slice(0, n) for n in count)]

@@ -138,6 +138,9 @@ def compressors_for(compression: Any) -> list[Any]:
         codecs = [GzipCodec(level=4)]
     elif compression == "blosc":
         codecs = [BloscCodec()]
+    elif compression == "weights-gzip":
+        raise CheckpointError("compression='weights-gzip' is for HDF5 files that HDF5 tools read "
+                              "without plugins; every Zarr v3 reader has Blosc: use 'weights'")
     else:
         raise CheckpointError(f"unknown zarr compression {compression!r}; "
                              "use weights, zstd, gzip or blosc")
