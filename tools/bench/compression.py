@@ -199,7 +199,11 @@ def main() -> None:
                     help="a .pt file of the trained weights: loaded when present, else written")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hdf5-compressions", default="weights,weights-gzip",
+                    help="comma-separated HDF5 settings to compare with uncompressed (e.g. "
+                         "'weights' alone, to measure a lean_store without 'weights-gzip')")
     args = ap.parse_args()
+    COMPRESSIONS["hdf5"] = (None, *args.hdf5_compressions.split(","))
     t0 = time.perf_counter()
     if args.cache and Path(args.cache).exists():
         model = mlp(args.width, args.layers)
