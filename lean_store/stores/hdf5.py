@@ -483,7 +483,7 @@ class HDF5Reader(StoreReader):
         self._filesize: int | None = None
         self._attrs_checked: set[str] = set()  # datasets whose attributes match the manifest
         self._types: dict[str, Any] = {}
-        self._direct_chunks: dict[str, tuple] = {}  # node -> (chunks, shape), or () for H5Dread
+        self._direct_chunks: dict[str, tuple] = {}  # (chunks, shape, blosc, itemsize)/()
         self._tables: dict[str, np.ndarray | None] = {}  # node -> chunk_crc32c table
         # unfiltered chunks are read with one pread from their file offset (HDF5's H5Dread
         # costs ~30 % more per chunk), through HDF5's own descriptor: the file is opened once,
