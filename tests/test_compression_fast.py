@@ -407,3 +407,28 @@ def test_inspect_names_blosc_and_gzip(tmp_path, capsys):
         assert main(["inspect", str(path), "--json"]) == 0
         row = json.loads(capsys.readouterr().out)["tensors"][0]
         assert name in row["compression"] and row["ratio"] < 0.95
+
+
+@pytest.mark.parametrize("checksum", ["crc32c", "fletcher32+crc32c"])
+def test_hdf5_blosc_without_the_pread_path(tmp_path, monkeypatch, checksum):
+    """Where HDF5's descriptor cannot be used (another driver, a user block), Blosc chunks
+    come through H5Dread_chunk instead: the same bits."""
+    from lean_store.stores import hdf5 as hdf5_store
+
+    state = _all_formats()
+    path = tmp_path / "all.h5"
+    ls.save(state, path, compression="weights", chunk_bytes=4096, checksum=checksum)
+    calls: list[int] = []
+    real = hdf5_blosc._stored_chunk
+
+    def spy(node, dsid, start, nbytes, fletcher32, fd, size):
+        calls.append(fd is None)
+        return real(node, dsid, start, nbytes, fletcher32, fd, size)
+
+    monkeypatch.setattr(hdf5_blosc, "_stored_chunk", spy)
+    assert_same_state(state, ls.load_state(path))
+    assert calls and not any(calls)  # pread through HDF5's descriptor
+    calls.clear()
+    monkeypatch.setattr(hdf5_store, "_h5_descriptor", lambda f: (None, 0))
+    assert_same_state(state, ls.load_state(path))
+    assert calls and all(calls)  # H5Dread_chunk

@@ -839,7 +839,8 @@ class HDF5Reader(StoreReader):
                 a % c or a + n > min(a + c, d) for a, n, c, d in zip(start, count, chunks, shape)
             ):
                 return False
-            return read_blosc_region(node, ds.id, start, count, chunks, itemsize, blosc, out)
+            return read_blosc_region(node, ds.id, start, count, chunks, itemsize, blosc, out,
+                                     self._fd, self._file_size)
         split = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), len(shape))
         row_block = all(c == 1 for c in chunks[:split]) and chunks[split + 1 :] == shape[
             split + 1 :

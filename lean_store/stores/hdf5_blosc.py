@@ -22,6 +22,8 @@ into every HDF5 library.
 from __future__ import annotations
 
 import math
+import os
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +34,7 @@ from h5py import h5d, h5p, h5z
 from numcodecs import blosc
 from numcodecs.fletcher32 import Fletcher32
 
-from ..blosc_frames import FORMAT, decode_frame
+from ..blosc_frames import FORMAT, decode_frame, frame_size_limit
 from ..errors import IntegrityError, UnsafeFileError
 
 BLOSC_FILTER = 32001
@@ -154,26 +156,60 @@ class BloscChunks:
         self._pending.clear()
 
 
-def read_blosc_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes: int,
-                     fletcher32: bool, dst: np.ndarray) -> None:
-    """The chunk at ``start`` of a Blosc dataset, decompressed into ``dst`` (flat uint8: the
-    whole chunk, or a prefix of it), through ``H5Dread_chunk`` and numcodecs: no HDF5 filter
-    is needed. A chunk whose filter mask skips Blosc is refused: hdf5-blosc never skips it, and
-    lean_store never lets HDF5 run a pipeline holding a filter it would load as a plugin."""
+_FRAMES = threading.local()  # per thread: a reused buffer for stored chunks read with pread
+
+
+def _stored_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes: int,
+                  fletcher32: bool, fd: int | None, file_size: int) -> tuple[int, np.ndarray]:
+    """(filter mask, stored bytes) of the chunk at ``start``: with one ``pread`` from its file
+    offset through HDF5's own descriptor ``fd`` into a reused buffer (offset and size checked
+    against the file and the most a frame of the chunk can take), else ``H5Dread_chunk``."""
     try:
-        mask, raw = dsid.read_direct_chunk(start)
+        if fd is None:
+            mask, raw = dsid.read_direct_chunk(start)
+            return mask, np.frombuffer(raw, np.uint8)
+        info = dsid.get_chunk_info_by_coord(start)
     except (OSError, RuntimeError, ValueError, KeyError) as exc:
         raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} unreadable ({exc})"
                              ) from None
+    offset, size = info.byte_offset, info.size
+    limit = frame_size_limit(chunk_nbytes) + (4 if fletcher32 else 0)
+    if offset is None or size is None or size > limit or offset + size > file_size:
+        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} has a bad chunk record "
+                             f"({offset}, {size} bytes; at most {limit}, file {file_size})")
+    buf = getattr(_FRAMES, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _FRAMES.buf = np.empty(max(limit, 0 if buf is None else buf.size), np.uint8)
+    stored = buf[:size]
+    try:
+        got = os.preadv(fd, [stored], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
+    except OSError as exc:
+        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} unreadable ({exc})"
+                             ) from None
+    if got != size:
+        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} is truncated")
+    return int(info.filter_mask), stored
+
+
+def read_blosc_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes: int,
+                     fletcher32: bool, dst: np.ndarray, fd: int | None = None,
+                     file_size: int = 0) -> None:
+    """The chunk at ``start`` of a Blosc dataset, decompressed into ``dst`` (flat uint8: the
+    whole chunk, or a prefix of it); read with ``pread`` through HDF5's descriptor ``fd`` of a
+    file of ``file_size`` bytes when given, else ``H5Dread_chunk``, and decompressed by
+    numcodecs: no HDF5 filter is needed. A chunk whose filter mask skips Blosc is refused:
+    hdf5-blosc never skips it, and lean_store never lets HDF5 run a pipeline holding a filter
+    it would load as a plugin."""
+    mask, stored = _stored_chunk(node, dsid, start, chunk_nbytes, fletcher32, fd, file_size)
     if mask != 0:
         raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} skips filters (mask "
                              f"{mask:#x}); Blosc chunks are never stored so")
     if fletcher32:
         try:
-            raw = _FLETCHER32.decode(raw)
+            stored = np.frombuffer(_FLETCHER32.decode(stored), np.uint8)
         except RuntimeError as exc:
             raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start}: {exc}") from None
-    problem = decode_frame(np.frombuffer(raw, np.uint8), chunk_nbytes, dst)
+    problem = decode_frame(stored, chunk_nbytes, dst)
     if problem is not None:
         raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} {problem}; the file is "
                              "corrupt")
@@ -181,7 +217,7 @@ def read_blosc_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes:
 
 def read_blosc_region(node: str, dsid: Any, start: tuple[int, ...], count: tuple[int, ...],
                       chunks: tuple[int, ...], itemsize: int, fletcher32: bool,
-                      out: np.ndarray) -> bool:
+                      out: np.ndarray, fd: int | None = None, file_size: int = 0) -> bool:
     """The region ``start``/``count`` (at the origin of a chunk, inside it) of a Blosc
     dataset into the C-contiguous ``out``; straight into ``out`` when the region is a prefix
     of the chunk's bytes (a whole chunk, or a row-block edge chunk). Always True."""
@@ -189,10 +225,10 @@ def read_blosc_region(node: str, dsid: Any, start: tuple[int, ...], count: tuple
     flat = out.reshape(-1).view(np.uint8)
     clipped = [i for i, (n, c) in enumerate(zip(count, chunks)) if n < c]
     if not clipped or (len(clipped) == 1 and all(c == 1 for c in chunks[: clipped[0]])):
-        read_blosc_chunk(node, dsid, start, chunk_nbytes, fletcher32, flat)
+        read_blosc_chunk(node, dsid, start, chunk_nbytes, fletcher32, flat, fd, file_size)
         return True
     scratch = np.empty(chunk_nbytes, np.uint8)
-    read_blosc_chunk(node, dsid, start, chunk_nbytes, fletcher32, scratch)
+    read_blosc_chunk(node, dsid, start, chunk_nbytes, fletcher32, scratch, fd, file_size)
     item = np.dtype((np.void, itemsize))
     flat.view(item).reshape(count)[...] = scratch.view(item).reshape(chunks)[
         tuple(slice(0, n) for n in count)]
