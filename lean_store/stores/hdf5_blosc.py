@@ -12,8 +12,8 @@ frame (16-byte header, then the blocks), exactly what ``numcodecs.blosc.compress
 with HDF5's Fletcher-32 after it when that checksum is on.
 
 HDF5 cannot apply a filter it has not loaded, so lean_store writes the chunks itself, and
-reads them with ``H5Dread_chunk`` and numcodecs (:func:`read_blosc_chunk`): neither needs
-``hdf5plugin``. h5py with ``import hdf5plugin``, and h5dump or any HDF5 tool given
+reads them itself (:func:`read_blosc_chunk`: one ``pread`` at the chunk's file offset, or
+``H5Dread_chunk``, then numcodecs): neither needs ``hdf5plugin``. h5py with ``import hdf5plugin``, and h5dump or any HDF5 tool given
 ``HDF5_PLUGIN_PATH`` to hdf5plugin's ``plugins`` folder, read the same files through the filter
 (``tests/test_compression_fast.py``); ``compression="weights-gzip"`` keeps to filters built
 into every HDF5 library.
