@@ -359,8 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--from", dest="src_format", choices=FORMATS, help="input format")
     p.add_argument("--to", dest="dst_format", choices=FORMATS, help="output format")
-    p.add_argument("--compression", help="weights (both: shuffle+deflate / blosc-zstd); "
-                   "hdf5: gzip, gzip:LEVEL, lzf; zarr: zstd, gzip, blosc")
+    p.add_argument("--compression", help="weights (both: Blosc shuffle+zstd); hdf5: "
+                   "weights-gzip (no plugin needed), gzip, gzip:LEVEL, lzf; zarr: zstd, gzip, "
+                   "blosc")
     p.add_argument("--chunk-bytes", type=int, help="chunk size for hdf5/zarr outputs")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--no-progress", dest="progress", action="store_false",

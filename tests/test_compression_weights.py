@@ -1,5 +1,6 @@
-"""``compression="weights"``: byte shuffle by the word width + deflate (HDF5) / Blosc-zstd
-(Zarr). Exact bits for every format, readable by plain h5py/zarr, per-chunk CRCs still checked,
+"""``compression="weights"``: byte shuffle by the word width + zstd in Blosc (Zarr's blosc
+codec, HDF5's Blosc filter 32001), and the plugin-free HDF5 ``compression="weights-gzip"``: HDF5's
+own shuffle + deflate (tests/test_compression_fast.py covers the Blosc files in HDF5). Exact bits for every format, readable by plain h5py/zarr, per-chunk CRCs still checked,
 partial reads still touch only the chunks they need."""
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def test_hdf5_filters_are_builtin_in_pipeline_order(tmp_path):
     rng = np.random.default_rng(0)
     state = {"w": _weights(), "p": value_of(sample_bits(nbit, rng), nbit)}
     path = tmp_path / "w.h5"
-    ls.save(state, path, compression="weights", checksum="fletcher32+crc32c")
+    ls.save(state, path, compression="weights-gzip", checksum="fletcher32+crc32c")
     with h5py.File(path, "r") as f:
         w = f["w"]
         assert (w.shuffle, w.compression, w.compression_opts, w.fletcher32) == (
@@ -123,7 +124,8 @@ def test_corrupt_compressed_chunk_is_caught(tmp_path, backend):
 def test_partial_read_touches_only_needed_chunks(tmp_path, backend, monkeypatch):
     path = tmp_path / f"w{SUFFIX[backend]}"
     w = _weights(64, 256)  # 1 KiB rows; 4 KiB chunks = 4 rows, 16 chunks
-    ls.save({"w": w}, path, compression="weights", chunk_bytes=4096)
+    ls.save({"w": w}, path, compression="weights" if backend == "zarr" else "weights-gzip",
+            chunk_bytes=4096)
     if backend == "hdf5":
         from lean_store.stores.hdf5 import store as hdf5
 
@@ -177,7 +179,7 @@ def test_inspect_shows_stored_size_and_ratio(tmp_path, backend, capsys):
     row = rows["w"]
     assert row["bytes"] == w.nbytes
     assert row["ratio"] == round(row["bytes_on_disk"] / w.nbytes, 4) and row["ratio"] < 0.9
-    assert ("blosc" if backend == "zarr" else "gzip") in row["compression"]
+    assert "blosc" in row["compression"]
     assert main(["inspect", str(path)]) == 0
     table = capsys.readouterr().out
     assert "ratio" in table and f"{row['ratio']:.3f}" in table
@@ -197,7 +199,7 @@ def test_threaded_deflate_chunks_are_what_hdf5_filters_make(tmp_path, checksum, 
                         lambda self, *a: (submitted.append(a[0]), real(self, *a)))
     w = _weights(102, 256)  # 4 KiB chunks of 4 rows, the last one an edge chunk of 2 rows
     ours, theirs = tmp_path / "ours.h5", tmp_path / "theirs.h5"
-    ls.save({"w": w}, ours, compression="weights", chunk_bytes=4096, checksum=checksum)
+    ls.save({"w": w}, ours, compression="weights-gzip", chunk_bytes=4096, checksum=checksum)
     assert len(submitted) == 26  # every chunk went through lean_store's threaded deflate
     with h5py.File(theirs, "w") as f:
         f.create_dataset("w", data=w, chunks=(4, 256), shuffle=True, compression="gzip",
@@ -219,7 +221,7 @@ def test_threaded_deflate_chunks_are_what_hdf5_filters_make(tmp_path, checksum, 
             assert unshuffled(raw_a)[:valid].tobytes() == w[row: row + 4].tobytes()
 
 
-def test_h5dump_reads_weights_compression(tmp_path):
+def test_h5dump_reads_weights_gzip_compression(tmp_path):
     import shutil
     import subprocess
 
@@ -229,7 +231,7 @@ def test_h5dump_reads_weights_compression(tmp_path):
     twelve = ls.formats.binary(5, 6)  # N-bit packed, then shuffled and deflated
     ls.save({"f32": np.array([1.5, -2.25, 1e-3], dtype=np.float32),
              "b12": ls.Encoded.from_values([0.75, -6.5, 1024.0], twelve)},
-            path, compression="weights")
+            path, compression="weights-gzip")
     for name, text in (("f32", "1.5, -2.25, 0.001"), ("b12", "0.75, -6.5, 1024")):
         out = subprocess.run([h5dump, "-A", "0", "-d", name, str(path)], capture_output=True,
                              text=True, timeout=60)

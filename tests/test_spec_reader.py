@@ -210,11 +210,17 @@ def test_root_and_tensor_attributes_are_exactly_those_of_section_2(tmp_path):
 
 def test_compressed_stores_use_the_documented_filters_and_codecs(tmp_path):
     x = np.arange(5000, dtype=np.float32)
-    ls.save({"x": x}, tmp_path / "z.h5", compression="weights")
+    ls.save({"x": x}, tmp_path / "z.h5", compression="weights-gzip")
     with h5py.File(tmp_path / "z.h5") as f:
         plist = f["x"].id.get_create_plist()
         filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
         assert filters == [2, 1] and plist.get_filter(1)[2] == (1,)  # shuffle, deflate 1
+    ls.save({"x": x}, tmp_path / "b.h5", compression="weights")
+    with h5py.File(tmp_path / "b.h5") as f:
+        plist = f["x"].id.get_create_plist()
+        assert plist.get_nfilters() == 1  # Blosc: revision 2, format 2, typesize, chunk bytes,
+        code, _flags, values = plist.get_filter(0)[:3]  # zstd level 1, byte shuffle
+        assert (code, values) == (32001, (2, 2, 4, x.nbytes, 1, 1, 5))
     ls.save({"x": x}, tmp_path / "z.zarr", compression="weights")
     codecs = json.loads((tmp_path / "z.zarr" / "x" / "zarr.json").read_text())["codecs"]
     assert [c["name"] for c in codecs] == ["bytes", "blosc", "crc32c"]

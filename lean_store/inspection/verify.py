@@ -298,7 +298,7 @@ def _bad_skips(mask: int, pipeline: list[tuple[str, bool]]) -> list[str]:
 
 
 _FILTER_NAMES = {1: "deflate", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit",
-                 6: "scaleoffset", 32000: "lzf"}
+                 6: "scaleoffset", 32000: "lzf", 32001: "blosc"}
 
 
 def _zarr_structure(reader: Any, info: Any) -> list[tuple[tuple[int, ...] | None, str]]:

@@ -235,12 +235,26 @@ def discard_temporary(path: Path) -> None:
 
 
 def fsync_tree(path: Path) -> None:
-    """fsync a file, or every file and directory of a tree."""
+    """fsync a file, or every file and directory of a tree. In a tree, a file with more than
+    one name is skipped: lean_store writes each file of a new tree once, under one name, so a
+    second name is an incremental step's hard link to a committed checkpoint's file, whose
+    data was made durable when that checkpoint was committed; the new name itself is made
+    durable with the directories. The directories' entries are made durable by one
+    ``syncfs`` where the platform has it (one journal commit instead of one per directory;
+    lean_store.stores.fs_sync), else by an fsync of each directory."""
+    from .fs_sync import syncfs
+
     if path.is_dir():
+        dirs = []
         for root, _dirs, files in os.walk(path):
             for name in files:
-                _fsync(Path(root) / name)
-            _fsync_dir(Path(root))
+                file = os.path.join(root, name)
+                if os.lstat(file).st_nlink == 1:
+                    _fsync(Path(file))
+            dirs.append(Path(root))
+        if not syncfs(path):
+            for directory in dirs:
+                _fsync_dir(directory)
     else:
         _fsync(path)
 

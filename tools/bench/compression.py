@@ -7,7 +7,8 @@ Weights are real trained weights: a small residual MLP (``--layers`` blocks of
 width x 4width x width) trained with AdamW for ``--train-steps`` steps on a synthetic regression
 task. Its parameters are saved as float32, bfloat16, float16 and float8_e4m3fn (bf16 and fp16 by
 torch casts, fp8 by an ml_dtypes cast), on both backends, uncompressed and with
-``compression="weights"``. Each round saves (fsynced, atomic, as ``ls.save`` always does) then
+``compression="weights"`` (Blosc on both), and on HDF5 with the plugin-free
+``compression="weights-gzip"``. Each round saves (fsynced, atomic, as ``ls.save`` always does) then
 loads (``ls.load_state``, warm page cache, every chunk CRC-checked) each setting in turn; the
 table gives the fastest round (the machine is shared: interference only adds time), sizes on
 disk and the ratios the targets are stated in.
@@ -38,6 +39,7 @@ import torch
 import lean_store as ls
 
 MiB = 1 << 20
+COMPRESSIONS = {"hdf5": (None, "weights", "weights-gzip"), "zarr": (None, "weights")}
 
 
 def mlp(width: int, layers: int, seed: int = 0) -> torch.nn.Sequential:
@@ -90,7 +92,7 @@ def bench_formats(model: torch.nn.Module, work: Path, rounds: int) -> list[dict[
     rows = []
     states = formats_of(model)
     settings = [(fmt, backend, comp) for fmt in states for backend in ("hdf5", "zarr")
-                for comp in (None, "weights")]
+                for comp in COMPRESSIONS[backend]]
     times: dict[tuple, dict[str, list[float]]] = {s: {"save": [], "load": []} for s in settings}
     sizes: dict[tuple, int] = {}
     for _ in range(rounds):
@@ -123,6 +125,22 @@ def bench_formats(model: torch.nn.Module, work: Path, rounds: int) -> list[dict[
         r["save_speed_vs_uncompressed"] = b["save_s"] / r["save_s"]
         r["load_speed_vs_uncompressed"] = b["load_s"] / r["load_s"]
     return rows
+
+
+def print_side_by_side(rows: list[dict[str, Any]]) -> None:
+    """Per format, each compressed setting's saving and save/load speed relative to the same
+    backend uncompressed (the targets: save >= 0.5x, load >= 0.7x)."""
+    columns = [(b, c) for b, comps in COMPRESSIONS.items() for c in comps if c]
+    by = {(r["format"], r["backend"], r["compression"]): r for r in rows}
+    print("\nsaving / save x / load x against the same backend uncompressed:")
+    print(f"{'format':14} " + " ".join(f"{b + ' ' + c:>24}" for b, c in columns))
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        cells = []
+        for b, c in columns:
+            r = by[(fmt, b, c)]
+            cells.append(f"{r['saving_vs_raw']:6.1%} {r['save_speed_vs_uncompressed']:5.2f}x "
+                         f"{r['load_speed_vs_uncompressed']:5.2f}x")
+        print(f"{fmt:14} " + " ".join(f"{cell:>24}" for cell in cells))
 
 
 def bench_incremental(model: torch.nn.Module, width: int, work: Path, steps: int
@@ -181,7 +199,11 @@ def main() -> None:
                     help="a .pt file of the trained weights: loaded when present, else written")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hdf5-compressions", default="weights,weights-gzip",
+                    help="comma-separated HDF5 settings to compare with uncompressed (e.g. "
+                         "'weights' alone, to measure a lean_store without 'weights-gzip')")
     args = ap.parse_args()
+    COMPRESSIONS["hdf5"] = (None, *args.hdf5_compressions.split(","))
     t0 = time.perf_counter()
     if args.cache and Path(args.cache).exists():
         model = mlp(args.width, args.layers)
@@ -199,13 +221,14 @@ def main() -> None:
     try:
         (work / "formats").mkdir()
         rows = bench_formats(model, work / "formats", rounds=args.rounds)
-        print(f"\n{'format':14} {'backend':7} {'comp':8} {'MiB':>8} {'saving':>7} "
+        print(f"\n{'format':14} {'backend':7} {'comp':12} {'MiB':>8} {'saving':>7} "
               f"{'save MiB/s':>10} {'load MiB/s':>10} {'save x':>7} {'load x':>7}")
         for r in rows:
-            print(f"{r['format']:14} {r['backend']:7} {r['compression']:8} "
+            print(f"{r['format']:14} {r['backend']:7} {r['compression']:12} "
                   f"{r['disk_bytes'] / MiB:8.2f} {r['saving_vs_raw']:7.1%} "
                   f"{r['save_MiB_s']:10.0f} {r['load_MiB_s']:10.0f} "
                   f"{r['save_speed_vs_uncompressed']:7.2f} {r['load_speed_vs_uncompressed']:7.2f}")
+        print_side_by_side(rows)
         big = mlp(args.incremental_width, args.layers)
         inc = bench_incremental(big, args.incremental_width, work, args.incremental_steps)
         n_big = sum(p.numel() for p in big.parameters())

@@ -100,7 +100,7 @@ def check_hdf5_present(ds: Any, node: str, filters: list[str]) -> None:
         raise UnsafeFileError(
             f"{node!r}: chunks claim {stored} bytes but the file holds only {file_size}"
         )
-    if not {"gzip", "lzf", "szip"} & set(filters):
+    if not {"gzip", "lzf", "szip", "blosc"} & set(filters):
         least = math.prod(shape) * _hdf5_precision(ds.id.get_type()) // 8
         if stored < least:
             raise IntegrityError(

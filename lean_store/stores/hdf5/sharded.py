@@ -51,7 +51,11 @@ def open_rank_writer(work: str, rank: int, world: int, chunk_bytes: int, compres
                      ) -> HDF5Writer:
     """This rank's shard file (itself written to a temporary name and renamed when done).
     Shard files keep HDF5's fletcher32 filter besides the chunk_crc32c table: whole tensors
-    are read through the master's virtual datasets, where only HDF5's own filter is checked."""
+    are read through the master's virtual datasets, where only HDF5's own filter is checked.
+    For the same reason ``"weights"`` is HDF5's own shuffle + deflate here (``"weights-gzip"``):
+    HDF5 reads through virtual datasets with its own filters, and has no Blosc."""
+    if compression == "weights":
+        compression = "weights-gzip"
     return HDF5Writer(Path(work) / shard_file_name(rank, world), chunk_bytes=chunk_bytes,
                       compression=compression, checksum="fletcher32+crc32c")
 

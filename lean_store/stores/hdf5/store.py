@@ -33,6 +33,15 @@ from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_chunk_shape, chunk_cou
 from ...integrity import crc32c_of
 from ...layout import Entry
 from ..base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
+from .blosc import (
+    BLOSC_FILTER,
+    BloscChunks,
+    blosc_fletcher32,
+    can_blosc,
+    check_blosc_filter,
+    read_blosc_region,
+    set_blosc,
+)
 from .checks import check_hdf5_present, from_hdf5_attr, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
@@ -58,9 +67,11 @@ _FILTER_NAMES = {
     h5z.FILTER_NBIT: "nbit",
     h5z.FILTER_SCALEOFFSET: "scaleoffset",
     32000: "lzf",
+    BLOSC_FILTER: "blosc",
 }
 ALLOWED_FILTERS = {
     h5z.FILTER_DEFLATE, h5z.FILTER_SHUFFLE, h5z.FILTER_FLETCHER32, h5z.FILTER_NBIT, 32000,
+    BLOSC_FILTER,  # parameters checked (blosc.check_blosc_filter); read by lean_store
 }
 
 
@@ -190,17 +201,23 @@ def _attr_types(ftype: Any) -> tuple[np.dtype | None, Any]:
 
 
 WEIGHTS_DEFLATE_LEVEL = 1
-"""``compression="weights"``: byte shuffle by the stored word width, then deflate at level 1
-(levels 4-6 save under 1 % more at a third of the speed; docs/PERFORMANCE.md)."""
+"""``compression="weights-gzip"``: byte shuffle by the stored word width, then deflate at
+level 1 (levels 4-6 save under 1 % more at a third of the speed; docs/PERFORMANCE.md)."""
 
 
-def _compression_filters(dcpl: h5p.PropDCID, compression: Any) -> None:
+def _compression_filters(dcpl: h5p.PropDCID, compression: Any, itemsize: int = 0,
+                         chunk_nbytes: int = 0, nbit: bool = False) -> None:
     """Add the compression filters after N-bit packing (if any) and before fletcher32: HDF5
-    applies them in the order set, so a chunk is packed, byte-shuffled, then deflated. Both
-    are built into every HDF5 library, so h5py, h5dump 1.10 and any HDF5 tool read them."""
+    applies them in the order set, so a chunk is packed, byte-shuffled, then deflated.
+    Shuffle and deflate are built into every HDF5 library, so h5py, h5dump 1.10 and any HDF5
+    tool read them. ``"weights"``: the Blosc filter (byte shuffle + zstd, lean_store writes
+    and reads its chunks itself; blosc.py), except where HDF5 must pack bits first (N-bit
+    formats) or Blosc cannot shuffle the type: shuffle + deflate there."""
     if compression in (None, False):
         return
-    if compression == "weights":
+    if compression == "weights" and not nbit and can_blosc(itemsize):
+        set_blosc(dcpl, itemsize, chunk_nbytes)
+    elif compression in ("weights", "weights-gzip"):
         dcpl.set_shuffle()
         dcpl.set_deflate(WEIGHTS_DEFLATE_LEVEL)
     elif compression in ("gzip", True):
@@ -213,7 +230,8 @@ def _compression_filters(dcpl: h5p.PropDCID, compression: Any) -> None:
         dcpl.set_filter(32000, h5z.FLAG_OPTIONAL, ())
     else:
         raise CheckpointError(
-            f"unknown HDF5 compression {compression!r}; use 'weights', 'gzip' or 'lzf'"
+            f"unknown HDF5 compression {compression!r}; use 'weights', 'weights-gzip', 'gzip' "
+            "or 'lzf'"
         )
 
 
@@ -326,9 +344,11 @@ class HDF5Writer(StoreWriter):
         dcpl.set_chunk(chunks)
         dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
         dcpl.set_alloc_time(h5d.ALLOC_TIME_INCR)
-        if needs_nbit(fmt):
+        nbit = needs_nbit(fmt)
+        if nbit:
             dcpl.set_filter(h5z.FILTER_NBIT, 0, ())
-        _compression_filters(dcpl, self.compression)
+        _compression_filters(dcpl, self.compression, ftype.get_size(),
+                             math.prod(chunks) * ftype.get_size(), nbit)
         if self._fletcher32:
             dcpl.set_fletcher32()
         space = h5s.create_simple(stored)
@@ -343,9 +363,16 @@ class HDF5Writer(StoreWriter):
                                 fletcher32, deflate, record, attrs)
 
     def _deflate_chunks(self, dcpl: h5p.PropDCID, dset: h5d.DatasetID, itemsize: int
-                        ) -> DeflateChunks | None:
-        """Threaded shuffle + deflate when the filters are exactly those (+ fletcher32)."""
+                        ) -> DeflateChunks | BloscChunks | None:
+        """Threaded shuffle + deflate when the filters are exactly those (+ fletcher32);
+        threaded Blosc when the filter is Blosc (HDF5 has no Blosc of its own)."""
         codes = [dcpl.get_filter(i) for i in range(dcpl.get_nfilters())]
+        if blosc_fletcher32(dcpl) is not None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(DEFLATE_THREADS,
+                                                thread_name_prefix="lean_store-deflate")
+            return BloscChunks(self._pool, itemsize, self._fletcher32,
+                               lambda offset, payload: dset.write_direct_chunk(offset, payload, 0))
         if [c[0] for c in codes] not in (
             [h5z.FILTER_SHUFFLE, h5z.FILTER_DEFLATE],
             [h5z.FILTER_SHUFFLE, h5z.FILTER_DEFLATE, h5z.FILTER_FLETCHER32],
@@ -406,6 +433,7 @@ def _checked_filters(node: str, dcpl: Any, layout: int) -> list[str]:
         if code not in ALLOWED_FILTERS:
             raise UnsafeFileError(f"{node!r} uses an unknown HDF5 filter (id {code})")
         filters.append(_FILTER_NAMES.get(code, str(code)))
+    check_blosc_filter(node, dcpl, layout)
     return filters
 
 
@@ -432,7 +460,7 @@ class HDF5Reader(StoreReader):
         self._filesize: int | None = None
         self._attrs_checked: set[str] = set()  # datasets whose attributes match the manifest
         self._types: dict[str, Any] = {}
-        self._direct_chunks: dict[str, tuple] = {}  # node -> (chunks, shape), or () for H5Dread
+        self._direct_chunks: dict[str, tuple] = {}  # (chunks, shape, blosc, itemsize)/()
         self._tables: dict[str, np.ndarray | None] = {}  # node -> chunk_crc32c table
         # unfiltered chunks are read with one pread from their file offset (HDF5's H5Dread
         # costs ~30 % more per chunk), through HDF5's own descriptor: the file is opened once,
@@ -589,7 +617,7 @@ class HDF5Reader(StoreReader):
             raise UnsafeFileError(
                 f"{node!r}: chunks claim {stored} bytes but the file holds only {self._filesize}"
             )
-        if not {"gzip", "lzf", "szip"} & set(filters):
+        if not {"gzip", "lzf", "szip", "blosc"} & set(filters):
             least = math.prod(shape) * _precision(ftype) // 8
             if stored < least:
                 raise IntegrityError(
@@ -773,15 +801,23 @@ class HDF5Reader(StoreReader):
         info = direct.get(node)
         if info is None:
             dcpl = ds.id.get_create_plist()
-            ok = (
-                ds.chunks is not None and dcpl.get_nfilters() == 1
-                and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
-            )
-            info = direct[node] = (tuple(ds.chunks), tuple(ds.shape)) if ok else ()
+            blosc = blosc_fletcher32(dcpl) if ds.chunks is not None else None
+            ok = ds.chunks is not None and (blosc is not None or (
+                dcpl.get_nfilters() == 1 and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
+            ))
+            info = direct[node] = (tuple(ds.chunks), tuple(ds.shape), blosc,
+                                   ds.id.get_type().get_size()) if ok else ()
         if not info:
             return False
-        chunks, shape = info
+        chunks, shape, blosc, itemsize = info
         start, count = selection.start, selection.count
+        if blosc is not None:  # Blosc chunks: decompressed by lean_store (HDF5 cannot)
+            if any(step != 1 for step in selection.step) or any(
+                a % c or a + n > min(a + c, d) for a, n, c, d in zip(start, count, chunks, shape)
+            ):
+                return False
+            return read_blosc_region(node, ds.id, start, count, chunks, itemsize, blosc, out,
+                                     self._fd, self._file_size)
         split = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), len(shape))
         row_block = all(c == 1 for c in chunks[:split]) and chunks[split + 1 :] == shape[
             split + 1 :
@@ -842,7 +878,13 @@ def _h5_descriptor(file: h5py.File) -> tuple[int | None, int]:
 def _h5read(node: str, ds: h5py.Dataset, ftype: Any, selection: Selection, out: np.ndarray
             ) -> None:
     """H5Dread of ``selection`` into the C-contiguous ``out``, the memory type equal to the
-    file type (no conversion; HDF5 reads unfiltered chunks straight into ``out``)."""
+    file type (no conversion; HDF5 reads unfiltered chunks straight into ``out``). Never for
+    a dataset with the Blosc filter: HDF5 would look for it as a plugin (lean_store loads none
+    for its files and decodes Blosc chunks itself, whole chunks through ``H5Dread_chunk``)."""
+    if BLOSC_FILTER in _filter_ids(ds):
+        raise UnsafeFileError(
+            f"tensor {node!r}: a Blosc dataset is read by whole chunks with its chunk_crc32c "
+            "table; this read would need HDF5's filter plugin, which lean_store never loads")
     count = selection.count
     fspace = ds.id.get_space()
     fspace.select_hyperslab(selection.start, count, selection.step)
@@ -851,6 +893,11 @@ def _h5read(node: str, ds: h5py.Dataset, ftype: Any, selection: Selection, out: 
         ds.id.read(h5s.create_simple(count), fspace, buf, mtype=ftype)
     except (OSError, RuntimeError, ValueError) as exc:
         raise IntegrityError(f"tensor {node!r}: HDF5 read failed ({exc})") from None
+
+
+def _filter_ids(ds: h5py.Dataset) -> list[int]:
+    dcpl = ds.id.get_create_plist()
+    return [dcpl.get_filter(i)[0] for i in range(dcpl.get_nfilters())]
 
 
 def _prefix_of_chunk(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:

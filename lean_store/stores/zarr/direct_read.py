@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Any
 
 import google_crc32c
@@ -22,6 +23,7 @@ import numpy as np
 
 from ...chunking import touched_cells
 from ...errors import IntegrityError
+from .blosc_read import blosc_layout, decode_chunk, stored_size_limit, stored_size_ok
 from .compat import chunk_key, regular_grid, sharding_document
 from .direct_write import direct_ok
 
@@ -42,7 +44,7 @@ def direct_read_ok(array: Any, doc: dict[str, Any] | None = None) -> bool:
     array's metadata document, when the caller has it (else it is built from ``array``)."""
     desc = array if doc is None else doc
     outer = regular_grid(desc)
-    if not direct_ok(desc) or outer is None:
+    if not (direct_ok(desc) or blosc_layout(desc)) or outer is None:
         return False
     inner = tuple(int(c) for c in array.chunks)
     if doc is not None and _inner_chunks(doc) != inner:
@@ -57,8 +59,10 @@ class DirectReader:
     relative to the store's root directory ``root_fd``: the tree that directory was when
     opened, even after a save has renamed another one into its place."""
 
-    def __init__(self, root_fd: int, node: str, array: Any, doc: dict[str, Any] | None = None
-                 ) -> None:
+    def __init__(self, root_fd: int, node: str, array: Any, doc: dict[str, Any] | None = None,
+                 frames: threading.local | None = None) -> None:
+        """``frames``: per-thread scratch for compressed chunks, shared by the readers of
+        one store (one buffer per thread, not per array)."""
         self._root_fd = root_fd
         self._node = node
         self._shape = tuple(int(d) for d in array.shape)
@@ -71,6 +75,10 @@ class DirectReader:
         self._chunk_nbytes = math.prod(self._chunks) * self._itemsize
         self._array = array
         self._indexes: dict[tuple[int, ...], np.ndarray] = {}
+        # compression="weights": each stored chunk is a Blosc frame + CRC-32C, decompressed
+        # here (stores/zarr/blosc_read.py) instead of by zarr's codec pipeline
+        self._blosc = blosc_layout(array if doc is None else doc)
+        self._frames = threading.local() if frames is None else frames
 
     def read(self, start: tuple[int, ...], count: tuple[int, ...], step: tuple[int, ...],
              out: np.ndarray) -> None:
@@ -139,25 +147,51 @@ class DirectReader:
                 if offset == _EMPTY and nbytes == _EMPTY:
                     raise self._fail(coords, f"is missing from shard {key!r}")
                 end = file_size - (16 * self._slots + 4)
-                if nbytes != size + 4 or offset > end or offset + nbytes > end:
+                if not self._size_ok(nbytes) or offset > end or offset + nbytes > end:
                     raise self._fail(coords, f"has a bad shard index entry ({offset}, {nbytes})")
             else:
-                offset = 0
-                if file_size != size + 4:
-                    raise self._fail(coords, f"file {key!r} has {file_size} bytes, not "
-                                             f"{size + 4}")
-            pad = size - dst.size
-            tail = np.empty(pad + 4, np.uint8)  # google_crc32c takes numpy arrays and bytes
-            got = os.preadv(fd, [dst, tail], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
+                offset, nbytes = 0, file_size
+                if not self._size_ok(file_size):
+                    want = f"a Blosc frame of {size}" if self._blosc else str(size + 4)
+                    raise self._fail(coords, f"file {key!r} has {file_size} bytes, not {want}")
+            if self._blosc:  # a compressed chunk: read whole, checked, then decompressed
+                stored = self._frame_buffer(nbytes)
+                got = os.preadv(fd, [stored], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
+            else:
+                pad = size - dst.size
+                tail = np.empty(pad + 4, np.uint8)  # google_crc32c takes numpy arrays and bytes
+                got = os.preadv(fd, [dst, tail], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
         except OSError as exc:
             raise self._fail(coords, f"cannot be read ({exc})") from None
         finally:
             os.close(fd)
+        if self._blosc:
+            problem = (f"is truncated ({got} of {nbytes} bytes)" if got != nbytes
+                       else decode_chunk(stored, size, dst))
+            if problem is not None:
+                raise self._fail(coords, problem)
+            return
         if got != size + 4:
             raise self._fail(coords, f"is truncated ({got} of {size + 4} bytes)")
         crc = google_crc32c.extend(google_crc32c.value(dst), tail[:pad])
         if crc != int.from_bytes(tail[pad:].tobytes(), "little"):
             raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")
+
+    def _frame_buffer(self, nbytes: int) -> np.ndarray:
+        """This thread's buffer for a stored chunk of ``nbytes`` (at most a chunk and a
+        frame's overhead, :meth:`_size_ok`), reused: no fresh pages per chunk."""
+        buf = getattr(self._frames, "buf", None)
+        if buf is None or buf.size < nbytes:
+            buf = self._frames.buf = np.empty(
+                max(stored_size_limit(self._chunk_nbytes), 0 if buf is None else buf.size),
+                np.uint8)
+        return buf[:nbytes]
+
+    def _size_ok(self, nbytes: int) -> bool:
+        """A stored chunk (data and CRC) of ``nbytes`` fits this array's chunks."""
+        if self._blosc:
+            return stored_size_ok(nbytes, self._chunk_nbytes)
+        return nbytes == self._chunk_nbytes + 4
 
     def _index(self, fd: int, file_size: int, shard: tuple[int, ...], coords: tuple[int, ...]
                ) -> np.ndarray:

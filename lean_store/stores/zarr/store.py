@@ -138,6 +138,9 @@ def compressors_for(compression: Any) -> list[Any]:
         codecs = [GzipCodec(level=4)]
     elif compression == "blosc":
         codecs = [BloscCodec()]
+    elif compression == "weights-gzip":
+        raise CheckpointError("compression='weights-gzip' is for HDF5 files that HDF5 tools read "
+                              "without plugins; every Zarr v3 reader has Blosc: use 'weights'")
     else:
         raise CheckpointError(f"unknown zarr compression {compression!r}; "
                              "use weights, zstd, gzip or blosc")
@@ -307,6 +310,7 @@ class ZarrReader(StoreReader):
             raise
         self._arrays: dict[str, zarr.Array] = {}
         self._direct: dict[str, DirectReader | None] = {}
+        self._frames = threading.local()  # compressed chunks' scratch, shared by the arrays
         self._consistent: set[str] = set()
         # per thread: inside checks_deferred() (depth), and a read not yet checked there
         self._deferral = threading.local()
@@ -523,7 +527,7 @@ class ZarrReader(StoreReader):
             doc = self._copies.get(node) if self._copies is not None and \
                 self._members is not None and self._members.get(node) is array else None
             ok = root is not None and self._tree is not None and direct_read_ok(array, doc)
-            self._direct[node] = (DirectReader(root.fd, node, array, doc)
+            self._direct[node] = (DirectReader(root.fd, node, array, doc, self._frames)
                                   if ok and root is not None else None)
         return self._direct[node]
 
