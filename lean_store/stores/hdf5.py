@@ -647,6 +647,11 @@ class HDF5Reader(StoreReader):
             )
         self._attrs_checked.add(node)
 
+    def trust_attributes(self, node: str) -> None:
+        """Skip :meth:`check_attributes` for ``node``: another process compared them with the
+        manifest and every process agreed (the verify stage of a sharded load)."""
+        self._attrs_checked.add(node)
+
     def file_type_matches(self, node: str, fmt: ScalarFormat) -> bool:
         """True when the dataset's HDF5 type is exactly the one lean_store writes for ``fmt``."""
         ftype = self._types.get(node) or self._dataset(node).id.get_type()
