@@ -188,11 +188,15 @@ class ShardedHDF5Reader(HDF5Reader):
         return info
 
     def check_region(self, node: str, box: Box) -> None:
-        """Check every source dataset holding part of ``box`` of ``node`` (a no-op for one
-        already checked, or a node that is not virtual)."""
+        """Check every source dataset holding part of ``box`` of ``node``, its attributes
+        against its shard file's manifest included (a no-op for one already checked, or a
+        node that is not virtual): what a read of ``box`` needs, checked before any read."""
         mappings = self._virtual.get(node)
         if mappings is not None:
-            self._check_sources(node, [m for m in mappings if m[0].intersect(box) is not None])
+            touched = [m for m in mappings if m[0].intersect(box) is not None]
+            self._check_sources(node, touched)
+            for _box, fname, dset in touched:
+                self._source(fname).check_attributes(dset.lstrip("/"))
 
     def checked_elsewhere(self, node: str, box: Box) -> None:
         """Another rank read the shard ``box`` of ``node`` whole (its digest and attributes
