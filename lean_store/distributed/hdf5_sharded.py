@@ -34,7 +34,14 @@ from ..manifest import tensor_attrs
 from ..naming import node_name
 from ..replacement import PinnedRoot, check_unchanged
 from ..stores.base import Selection, StoredTensor
-from ..stores.hdf5 import HDF5Reader, HDF5Writer, read_attrs, to_hdf5_attr, write_attrs
+from ..stores.hdf5 import (
+    ATTR_PHASE_CHANGE,
+    HDF5Reader,
+    HDF5Writer,
+    read_attrs,
+    to_hdf5_attr,
+    write_attrs,
+)
 from ..stores.hdf5_types import hdf5_type, storage_kind
 from .plan import TensorPlan
 from .shard_spec import Box
@@ -79,6 +86,7 @@ def write_master(work: str, world: int, plans: list[TensorPlan], records: list[s
             shape = plan.stored_shape
             ftype = hdf5_type(entry.format)
             dcpl = h5p.create(h5p.DATASET_CREATE)
+            dcpl.set_attr_phase_change(*ATTR_PHASE_CHANGE)  # attributes in the object header
             if math.prod(shape) == 0:
                 dcpl.set_chunk(plan_chunks(shape, ftype.get_size(), chunk_bytes))
                 dcpl.set_fletcher32()

@@ -61,6 +61,10 @@ from .hdf5_types import hdf5_type, needs_nbit
 
 _FLETCHER32 = Fletcher32()  # HDF5's fletcher32, appended after the chunk as HDF5 stores it
 DEFLATE_THREADS = 2  # shuffle + deflate workers of a compressed HDF5 save
+ATTR_PHASE_CHANGE = (32, 24)
+"""(max compact, min dense) attributes of a dataset: HDF5's default (8, 6) moves the dozen
+attributes of every lean_store dataset to dense storage (a fractal heap and B-tree each); kept
+compact in the object header they cost less to write and read (docs/FORMAT.md 2.5)."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
 OPEN_DATASETS = 16  # datasets a reader keeps open between calls (least recently used closed)
 _FILTER_NAMES = {
@@ -349,6 +353,7 @@ class HDF5Writer(StoreWriter):
         dcpl.set_chunk(chunks)
         dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
         dcpl.set_alloc_time(h5d.ALLOC_TIME_INCR)
+        dcpl.set_attr_phase_change(*ATTR_PHASE_CHANGE)  # attributes in the object header
         if needs_nbit(fmt):
             dcpl.set_filter(h5z.FILTER_NBIT, 0, ())
         _compression_filters(dcpl, self.compression)
