@@ -66,7 +66,9 @@ ATTR_PHASE_CHANGE = (32, 24)
 attributes of every lean_store dataset to dense storage (a fractal heap and B-tree each); kept
 compact in the object header they cost less to write and read (docs/FORMAT.md 2.5)."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
-OPEN_DATASETS = 16  # datasets a reader keeps open between calls (least recently used closed)
+OPEN_DATASETS = 1024  # datasets a reader keeps open between calls (least recently used
+# closed): ~7 KB each without a chunk cache; with fewer, a checkpoint of many tensors had each
+# dataset opened twice, once by the checks at open and again by its first read
 _FILTER_NAMES = {
     h5z.FILTER_DEFLATE: "gzip",
     h5z.FILTER_SHUFFLE: "shuffle",
@@ -504,7 +506,7 @@ class HDF5Reader(StoreReader):
         ds = self._datasets.pop(node, None)
         if ds is None:
             ds = self._open_dataset(node)
-            if len(self._datasets) >= OPEN_DATASETS:  # each holds HDF5's chunk cache
+            if len(self._datasets) >= OPEN_DATASETS:
                 del self._datasets[next(iter(self._datasets))]
         self._datasets[node] = ds  # most recently used last
         return ds
