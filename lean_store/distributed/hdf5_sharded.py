@@ -135,6 +135,7 @@ class ShardedHDF5Reader(HDF5Reader):
         self._infos: dict[str, StoredTensor] = {}  # node -> what stored() returned
         self._checked: dict[tuple[str, str], StoredTensor] = {}  # (file, dataset) -> checked
         self._attr_names: list[str] | None = None  # the attribute names of the last dataset
+        self._trusted: dict[str, list[str]] = {}  # file -> datasets checked by another rank
 
     def check_current(self) -> None:
         check_unchanged(self._pin, str(self.directory))
@@ -210,8 +211,13 @@ class ShardedHDF5Reader(HDF5Reader):
         """Another rank read the shard ``box`` of ``node`` whole (its digest and attributes
         checked) and every rank agreed: its dataset's attributes are not compared again here."""
         for mapped, fname, dset in self._virtual.get(node, []):
-            if mapped == box:
-                self._source(fname).trust_attributes(dset.lstrip("/"))
+            if mapped != box:
+                continue
+            reader = self._sources.get(fname)
+            if reader is not None:
+                reader.trust_attributes(dset.lstrip("/"))
+            else:  # applied if this rank ever opens that file (most ranks never do)
+                self._trusted.setdefault(fname, []).append(dset.lstrip("/"))
 
     def _touched(self, mappings: list[tuple[Box, str, str]], selection: Any
                  ) -> list[tuple[Box, str, str]]:
@@ -292,6 +298,8 @@ class ShardedHDF5Reader(HDF5Reader):
                 raise IntegrityError(f"shard file {fname} of {self.directory} is missing")
             reader = HDF5Reader(path)
             self._sources[fname] = reader
+            for dset in self._trusted.pop(fname, []):
+                reader.trust_attributes(dset)
         return reader
 
     def close(self) -> None:
