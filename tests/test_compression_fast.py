@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 import h5py
-import lean_store.zarr_direct_read as zdr
 import numpy as np
 import pytest
 from helpers import ALL_FORMATS, BACKENDS, SUFFIX, assert_same_state, raw, sample_bits, value_of
 
 import lean_store as ls
+import lean_store.stores.zarr.direct_read as zdr
 from lean_store.errors import CheckpointError, IntegrityError, UnsafeFileError
 from lean_store.stores.hdf5 import blosc as hdf5_blosc
 
@@ -185,7 +185,7 @@ def test_corrupt_compressed_chunk_raises(tmp_path, backend):
 
 
 def _spy_hdf5_chunks(monkeypatch) -> list[tuple[int, ...]]:
-    from lean_store.stores import hdf5
+    from lean_store.stores.hdf5 import store as hdf5
 
     seen: list[tuple[int, ...]] = []
     real = hdf5_blosc.read_blosc_chunk
@@ -376,7 +376,7 @@ def test_hdf5_blosc_dataset_is_never_read_through_hdf5s_pipeline(tmp_path):
     more) is refused rather than handed to HDF5, which would look for a filter plugin."""
     path = tmp_path / "w.h5"
     ls.save({"w": _weights(64, 256)}, path, compression="weights", chunk_bytes=4096)
-    from lean_store.stores.hdf5 import HDF5Reader
+    from lean_store.stores.hdf5.store import HDF5Reader
 
     with h5py.File(path, "a") as f:
         del f["w"].attrs["chunk_crc32c"]
@@ -413,7 +413,7 @@ def test_inspect_names_blosc_and_gzip(tmp_path, capsys):
 def test_hdf5_blosc_without_the_pread_path(tmp_path, monkeypatch, checksum):
     """Where HDF5's descriptor cannot be used (another driver, a user block), Blosc chunks
     come through H5Dread_chunk instead: the same bits."""
-    from lean_store.stores import hdf5 as hdf5_store
+    from lean_store.stores.hdf5 import store as hdf5_store
 
     state = _all_formats()
     path = tmp_path / "all.h5"

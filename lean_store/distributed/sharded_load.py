@@ -20,6 +20,7 @@ from typing import Any
 from ..chunking import DEFAULT_CHUNK_BYTES, iter_regions, plan_chunks
 from ..errors import CheckpointError
 from ..stores.base import Selection
+from ..stores.hdf5.sharded import deferred_source_checks
 from .collective import Collective
 from .dtensor_blocks import check_target_cover
 from .local_state import Piece, layout_of, local_pieces, strided_boxes
@@ -81,7 +82,8 @@ def load(
         try:
             pieces = local_pieces(target)
             expected = layout_of(pieces)
-            ck = Checkpoint(path)
+            with deferred_source_checks():  # HDF5: each rank checks the shard files it reads
+                ck = Checkpoint(path)
             ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
                             order_matters=strict_order)
             names = [n for n in expected.names() if n in ck.layout]
@@ -89,6 +91,7 @@ def load(
                 missing=[n for n in expected.names() if n not in ck.layout],
                 unexpected=[n for n in ck.layout.names() if n not in expected],
             )
+            check_planned_reads(ck, pieces, names)  # before anything is installed
         except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
             error = exc
         check_target_cover(agree(comm, error, strided_boxes(pieces)))
@@ -111,16 +114,35 @@ def load(
     return result
 
 
+def check_planned_reads(ck: Any, pieces: list[Piece], names: list[str]) -> None:
+    """Have the store check everything this rank's reads will touch (the source datasets of a
+    sharded HDF5 checkpoint opened with deferred checks) before anything is installed."""
+    check = getattr(ck._reader, "check_region", None)
+    if check is None:
+        return
+    by_name = {p.name: p for p in pieces}
+    for name in names:
+        node = ck._stored[name].node
+        for part in plan_reads(by_name[name], stored_boxes(ck, name)):
+            check(node, part)
+
+
 def verify_shards(ck: Any, names: list[str], comm: Collective) -> None:
     """Check every stored shard's digest of ``names``, each shard by one rank, round robin;
     every rank raises if any rank found a problem."""
     error = None
+    units = _verify_units(ck, names)
     try:
-        for name, k in _verify_units(ck, names)[comm.rank :: comm.size]:
+        for name, k in units[comm.rank :: comm.size]:
             _verify(ck, name, k)
     except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
         error = exc
     agree(comm, error)
+    elsewhere = getattr(ck._reader, "checked_elsewhere", None)
+    if elsewhere is not None:  # what another rank checked whole is not checked again here
+        for i, (name, k) in enumerate(units):
+            if k >= 0 and i % comm.size != comm.rank:
+                elsewhere(ck._stored[name].node, ck._shards[name][k].box)
 
 
 def install_piece(ck: Any, piece: Piece, stored: list[Box], block_bytes: int) -> None:

@@ -5,7 +5,8 @@ error if any rank failed and nothing is left half-visible):
 
 1. describe: each rank's layout and box per tensor;
 2. plan: same layout everywhere, distinct shards cover each tensor exactly once, owners of
-   replicas = lowest rank holding them (computed identically on every rank);
+   replicas = lowest rank holding them (computed by every rank from the same descriptions, so
+   a bad plan raises the same error everywhere without an agreement round);
 3. prepare: rank 0 creates the work root (hidden temporary directory, or the new URL prefix)
    and, for Zarr, every array's metadata;
 4. write: each rank writes the shards it owns, with a crc32c digest per shard;
@@ -85,15 +86,10 @@ def save(
     except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
         error = exc
     descriptions = agree(comm, error, desc)
-    error = None
-    layout: Layout | None = None
-    plans: list[TensorPlan] = []
-    try:
-        layout, plans = make_plan(descriptions)
-    except Exception as exc:  # noqa: BLE001
-        error = exc
-    agree(comm, error)
-    assert layout is not None and backend is not None
+    # every rank computes the plan from the same descriptions, so a bad plan raises the same
+    # error on every rank without another agreement round
+    layout, plans = make_plan(descriptions)
+    assert backend is not None
     chunks = [zarr_sharded.chunk_plan(p, chunk_bytes) for p in plans] if backend == "zarr" else []
 
     # 3. prepare (rank 0)

@@ -6,8 +6,9 @@
 
 Workloads (float32 unless said): ``resnet50`` (320 tensors, ~100 MB: conv kernels, BN vectors),
 ``llm`` (~1,000 tensors, ~200 MB: matrices plus many LayerNorm/bias vectors), ``tiny`` (1,000
-tensors of 64 values) and ``big`` (128 x 4 MiB). Peers: lean_store HDF5 and Zarr
-(``save`` / ``load_state``), safetensors (``safetensors.torch.save_file``, numpy
+tensors of 64 values), ``big`` (128 x 4 MiB) and ``sharded`` (an FSDP2 transformer state on 4
+gloo ranks against DCP: tools/bench/fsdp_peers.py, run in its own processes). Peers: lean_store
+HDF5 and Zarr (``save`` / ``load_state``), safetensors (``safetensors.torch.save_file``, numpy
 ``load_file``), ``torch.save`` / ``torch.load``, DCP in one process
 (``FileSystemWriter`` / ``FileSystemReader``, ``no_dist=True``) and raw numpy (``np.save`` /
 ``np.load`` of each tensor in one directory). Files go to ``--dir`` (default /dev/shm); no
@@ -224,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, one round")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (median reported)")
     parser.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
-    parser.add_argument("--workload", action="append", choices=["resnet50", "llm", "tiny", "big"])
+    parser.add_argument("--workload", action="append",
+                        choices=["resnet50", "llm", "tiny", "big", "sharded"])
     parser.add_argument("--peer", action="append", choices=list(PEERS))
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -232,12 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload:
         states = {k: v for k, v in states.items() if k in args.workload}
     repeat = 1 if args.quick and args.repeat == 3 else args.repeat
-    root = Path(tempfile.mkdtemp(dir=args.dir, prefix="lean_store-peers-"))
-    try:
-        results = measure(states, args.peer or list(PEERS), repeat, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    print(report(states, results))
+    if states:
+        root = Path(tempfile.mkdtemp(dir=args.dir, prefix="lean_store-peers-"))
+        try:
+            results = measure(states, args.peer or list(PEERS), repeat, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(report(states, results))
+    if not args.workload or "sharded" in args.workload:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import fsdp_peers
+
+        size = {"dim": 64, "layers": 2, "vocab": 256} if args.quick else {}
+        print()
+        print(fsdp_peers.report(fsdp_peers.run(repeat=repeat, directory=args.dir, **size)))
     return 0
 
 

@@ -6,13 +6,20 @@ Virtual-dataset sources are relative file names, so the directory can be moved o
 HDF5 resolves them next to the master file. h5py and h5dump read whole tensors from the master
 without lean_store. The reader accepts a virtual dataset only when every source is a sibling
 shard file of this checkpoint (a regular file, no link), mapped one box to one whole source
-dataset, and the boxes equal the recorded shards.
+dataset, and the boxes equal the recorded shards. Each source dataset is checked (its shard
+file, structure and shape against its box) before any of its data is read: when the master is
+opened, or, inside :func:`deferred_source_checks` (a sharded load, where a rank reads only its
+own part), when a read first touches it; reads held by one shard go straight to its file, with
+its per-chunk CRC-32C table.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +36,19 @@ from ...metadata import tensor_attrs
 from ...naming import node_name
 from ...replacement import PinnedRoot, check_unchanged
 from ..base import Selection, StoredTensor
-from .checks import from_hdf5_attr
-from .store import HDF5Reader, HDF5Writer, to_hdf5_attr
+from .store import (
+    ATTR_PHASE_CHANGE,
+    HDF5Reader,
+    HDF5Writer,
+    read_attrs,
+    to_hdf5_attr,
+    write_attrs,
+)
 from .types import hdf5_type, storage_kind
 
 MASTER_NAME = "lean_store.h5"
+_DEFER_SOURCES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "lean_store_defer_shard_sources", default=False)
 MASTER_LIBVER = ("v108", "v110")  # virtual datasets need the 1.10 format; h5dump 1.10 reads it
 _SHARD_FILE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.h5$")
 _SOURCE_DSET = re.compile(r"^/t(\d{6})-s(\d{5})$")
@@ -75,6 +90,7 @@ def write_master(work: str, world: int, plans: list[TensorPlan], records: list[s
             shape = plan.stored_shape
             ftype = hdf5_type(entry.format)
             dcpl = h5p.create(h5p.DATASET_CREATE)
+            dcpl.set_attr_phase_change(*ATTR_PHASE_CHANGE)  # attributes in the object header
             if math.prod(shape) == 0:
                 dcpl.set_chunk(plan_chunks(shape, ftype.get_size(), chunk_bytes))
                 dcpl.set_fletcher32()
@@ -87,11 +103,9 @@ def write_master(work: str, world: int, plans: list[TensorPlan], records: list[s
                 )
             dset = h5d.create(f.id, node_name(entry.name).encode(), ftype,
                               h5s.create_simple(shape), dcpl=dcpl)
-            ds = h5py.Dataset(dset)
             attrs = tensor_attrs(entry, storage_kind(entry.format))
             attrs["shards"] = shards
-            for key, value in attrs.items():
-                ds.attrs[key] = to_hdf5_attr(value)
+            write_attrs(dset, attrs)  # the types and spaces of h5py's attrs[...] = value
         for key, value in root_attrs.items():
             f.attrs[key] = to_hdf5_attr(value)
         f.attrs["complete"] = 1  # written last: a master without it is incomplete
@@ -120,11 +134,32 @@ class ShardedHDF5Reader(HDF5Reader):
                 self._pin.close()
             raise
         self._sources: dict[str, HDF5Reader] = {}
+        self._defer = _DEFER_SOURCES.get()
+        self._virtual: dict[str, list[tuple[Box, str, str]]] = {}  # node -> its mappings
+        self._infos: dict[str, StoredTensor] = {}  # node -> what stored() returned
+        self._checked: dict[tuple[str, str], StoredTensor] = {}  # (file, dataset) -> checked
+        self._attr_names: list[str] | None = None  # the attribute names of the last dataset
+        self._trusted: dict[str, list[str]] = {}  # file -> datasets checked by another rank
 
     def check_current(self) -> None:
         check_unchanged(self._pin, str(self.directory))
 
     def read(self, node: str, selection: Any, fmt: Any, out: Any = None) -> Any:
+        mappings = self._virtual.get(node)
+        if mappings is not None:
+            touched = self._touched(mappings, selection)
+            self._check_sources(node, touched)
+            if len(touched) == 1 and _inside(touched[0][0], selection):
+                box, fname, dset = touched[0]
+                local = Selection(tuple(a - o for a, o in zip(selection.start, box.offsets)),
+                                  selection.count, selection.step)
+                try:  # one shard holds it: its own file, every chunk checked by its table
+                    words = self._source(fname).read(dset.lstrip("/"), local, fmt, out)
+                except IntegrityError:
+                    self.check_current()
+                    raise
+                self.check_current()
+                return words
         try:
             words = super().read(node, selection, fmt, out)
         except IntegrityError:
@@ -138,29 +173,84 @@ class ShardedHDF5Reader(HDF5Reader):
         dcpl = ds.id.get_create_plist()
         if dcpl.get_layout() != h5d.VIRTUAL:
             return super().stored(node)
+        attrs = None
+        if self._attr_names is not None:  # opened by name: cheaper than by index
+            try:
+                attrs = read_attrs(ds.id, repr(node), self._attr_names)
+            except IntegrityError:  # other names: read whatever is there
+                attrs = None
+        if attrs is None:
+            attrs = read_attrs(ds.id, repr(node))  # each checked before it is read
+            self._attr_names = list(attrs)
         try:
-            attrs = {k: from_hdf5_attr(v) for k, v in ds.attrs.items()}
             mappings = self._mappings(node, dcpl, tuple(ds.shape))
         except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
             raise IntegrityError(f"{node!r}: unreadable virtual dataset ({exc})") from None
-        filters: list[str] = []
-        on_disk = 0
+        ftype = ds.id.get_type()
+        self._types[node] = ftype
+        attrs["virtual_boxes"] = [box.to_json() for box, _, _ in mappings]
+        # nbytes_on_disk and filters: the sources', filled in once they are checked
+        info = StoredTensor(
+            node=node, attrs=attrs, stored_shape=tuple(ds.shape), chunk_shape=tuple(ds.shape),
+            storage="hdf5", itemsize=ftype.get_size(), nbytes_on_disk=None, filters=[],
+        )
+        self._virtual[node] = mappings
+        self._infos[node] = info
+        if not self._defer:
+            self._check_sources(node, mappings)
+        return info
+
+    def check_region(self, node: str, box: Box) -> None:
+        """Check every source dataset holding part of ``box`` of ``node``, its attributes
+        against its shard file's manifest included (a no-op for one already checked, or a
+        node that is not virtual): what a read of ``box`` needs, checked before any read."""
+        mappings = self._virtual.get(node)
+        if mappings is not None:
+            touched = [m for m in mappings if m[0].intersect(box) is not None]
+            self._check_sources(node, touched)
+            for _box, fname, dset in touched:
+                self._source(fname).check_attributes(dset.lstrip("/"))
+
+    def checked_elsewhere(self, node: str, box: Box) -> None:
+        """Another rank read the shard ``box`` of ``node`` whole (its digest and attributes
+        checked) and every rank agreed: its dataset's attributes are not compared again here."""
+        for mapped, fname, dset in self._virtual.get(node, []):
+            if mapped != box:
+                continue
+            reader = self._sources.get(fname)
+            if reader is not None:
+                reader.trust_attributes(dset.lstrip("/"))
+            else:  # applied if this rank ever opens that file (most ranks never do)
+                self._trusted.setdefault(fname, []).append(dset.lstrip("/"))
+
+    def _touched(self, mappings: list[tuple[Box, str, str]], selection: Any
+                 ) -> list[tuple[Box, str, str]]:
+        if any(n == 0 for n in selection.count):
+            return []
+        want = Box(tuple(selection.start), tuple(
+            (n - 1) * st + 1 for n, st in zip(selection.count, selection.step)))
+        return [m for m in mappings if m[0].intersect(want) is not None]
+
+    def _check_sources(self, node: str, mappings: list[tuple[Box, str, str]]) -> None:
+        """Each source: a sibling shard file, its dataset's structure checked by its reader,
+        its shape the box it is mapped to."""
         for box, fname, dset in mappings:
+            if (fname, dset) in self._checked:
+                continue
             info = self._source(fname).stored(dset.lstrip("/"))
             if info.stored_shape != box.lengths:
                 raise UnsafeFileError(
                     f"{node!r}: source {fname}:{dset} of shape {info.stored_shape} is mapped to "
                     f"the box {box}"
                 )
-            filters = info.filters
-            on_disk += info.nbytes_on_disk or 0
-        ftype = ds.id.get_type()
-        self._types[node] = ftype
-        attrs["virtual_boxes"] = [box.to_json() for box, _, _ in mappings]
-        return StoredTensor(
-            node=node, attrs=attrs, stored_shape=tuple(ds.shape), chunk_shape=tuple(ds.shape),
-            storage="hdf5", itemsize=ftype.get_size(), nbytes_on_disk=on_disk, filters=filters,
-        )
+            self._checked[fname, dset] = info
+        whole = self._infos.get(node)
+        every = self._virtual.get(node, [])
+        if whole is not None and whole.nbytes_on_disk is None and all(
+                (f, d) in self._checked for _, f, d in every):
+            infos = [self._checked[f, d] for _, f, d in every]
+            whole.nbytes_on_disk = sum(i.nbytes_on_disk or 0 for i in infos)
+            whole.filters = list(infos[-1].filters) if infos else []
 
     def read_shard_region(self, node: str, region: tuple[slice, ...], fmt: Any,
                           out: np.ndarray | None = None) -> np.ndarray | None:
@@ -172,8 +262,10 @@ class ShardedHDF5Reader(HDF5Reader):
         if dcpl.get_layout() != h5d.VIRTUAL:
             return None
         want = Box(tuple(s.start for s in region), tuple(s.stop - s.start for s in region))
-        for box, fname, dset in self._mappings(node, dcpl, tuple(ds.shape)):
+        mappings = self._virtual.get(node) or self._mappings(node, dcpl, tuple(ds.shape))
+        for box, fname, dset in mappings:
             if box.intersect(want) == want:
+                self._check_sources(node, [(box, fname, dset)])
                 return self._source(fname).read(
                     dset.lstrip("/"), Selection.of_region(box.local(region)), fmt, out)
         return None
@@ -210,6 +302,8 @@ class ShardedHDF5Reader(HDF5Reader):
                 raise IntegrityError(f"shard file {fname} of {self.directory} is missing")
             reader = HDF5Reader(path)
             self._sources[fname] = reader
+            for dset in self._trusted.pop(fname, []):
+                reader.trust_attributes(dset)
         return reader
 
     def close(self) -> None:
@@ -219,6 +313,22 @@ class ShardedHDF5Reader(HDF5Reader):
         if self._pin is not None:
             self._pin.close()
         super().close()
+
+
+@contextmanager
+def deferred_source_checks() -> Iterator[None]:
+    """Sharded HDF5 checkpoints opened inside check each source dataset when a read (or
+    :meth:`ShardedHDF5Reader.check_region`) first needs it, not all of them when opened."""
+    token = _DEFER_SOURCES.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_SOURCES.reset(token)
+
+
+def _inside(box: Box, selection: Any) -> bool:
+    return all(o <= a and a + (n - 1) * st < o + ln for o, ln, a, n, st in zip(
+        box.offsets, box.lengths, selection.start, selection.count, selection.step))
 
 
 def check_virtual_boxes(name: str, info: StoredTensor, boxes: list[Box]) -> None:

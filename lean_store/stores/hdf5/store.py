@@ -57,8 +57,14 @@ from .types import hdf5_type, needs_nbit
 
 _FLETCHER32 = Fletcher32()  # HDF5's fletcher32, appended after the chunk as HDF5 stores it
 DEFLATE_THREADS = 2  # shuffle + deflate workers of a compressed HDF5 save
+ATTR_PHASE_CHANGE = (32, 24)
+"""(max compact, min dense) attributes of a dataset: HDF5's default (8, 6) moves the dozen
+attributes of every lean_store dataset to dense storage (a fractal heap and B-tree each); kept
+compact in the object header they cost less to write and read (docs/FORMAT.md 2.5)."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
-OPEN_DATASETS = 16  # datasets a reader keeps open between calls (least recently used closed)
+OPEN_DATASETS = 1024  # datasets a reader keeps open between calls (least recently used
+# closed): ~7 KB each without a chunk cache; with fewer, a checkpoint of many tensors had each
+# dataset opened twice, once by the checks at open and again by its first read
 _FILTER_NAMES = {
     h5z.FILTER_DEFLATE: "gzip",
     h5z.FILTER_SHUFFLE: "shuffle",
@@ -344,6 +350,7 @@ class HDF5Writer(StoreWriter):
         dcpl.set_chunk(chunks)
         dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
         dcpl.set_alloc_time(h5d.ALLOC_TIME_INCR)
+        dcpl.set_attr_phase_change(*ATTR_PHASE_CHANGE)  # attributes in the object header
         nbit = needs_nbit(fmt)
         if nbit:
             dcpl.set_filter(h5z.FILTER_NBIT, 0, ())
@@ -504,7 +511,7 @@ class HDF5Reader(StoreReader):
         ds = self._datasets.pop(node, None)
         if ds is None:
             ds = self._open_dataset(node)
-            if len(self._datasets) >= OPEN_DATASETS:  # each holds HDF5's chunk cache
+            if len(self._datasets) >= OPEN_DATASETS:
                 del self._datasets[next(iter(self._datasets))]
         self._datasets[node] = ds  # most recently used last
         return ds
@@ -650,6 +657,11 @@ class HDF5Reader(StoreReader):
                 f"tensor {name!r} (dataset {node!r}): its attributes were changed after the "
                 f"save: {'; '.join(problems)}"
             )
+        self._attrs_checked.add(node)
+
+    def trust_attributes(self, node: str) -> None:
+        """Skip :meth:`check_attributes` for ``node``: another process compared them with the
+        manifest and every process agreed (the verify stage of a sharded load)."""
         self._attrs_checked.add(node)
 
     def file_type_matches(self, node: str, fmt: ScalarFormat) -> bool:

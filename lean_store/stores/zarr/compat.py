@@ -246,7 +246,10 @@ def _encode_indented(value: Any, out: list[str], newline: str, step: str) -> Non
             first = False
             out.append(_encode_str(key))
             out.append(": ")
-            _encode_indented(item, out, inner, step)
+            if key in _MEMO_KEYS and isinstance(item, (dict, list)):
+                _encode_memo(key, item, out, inner, step)
+            else:
+                _encode_indented(item, out, inner, step)
         out.append(newline + "}")
     elif isinstance(value, (list, tuple)):
         if not value:
@@ -262,6 +265,31 @@ def _encode_indented(value: Any, out: list[str], newline: str, step: str) -> Non
         out.append(newline + "]")
     else:
         raise _Unusual
+
+
+_MEMO_KEYS = frozenset({"codecs", "chunk_grid", "chunk_key_encoding"})
+"""Members of an array document that are alike across most arrays of a checkpoint (plain
+JSON, never an EncodedDocument): their indented text is reused, keyed by their compact text."""
+_MEMO: dict[tuple[str, str, str, str], str] = {}
+_MEMO_LIMIT = 1024
+
+
+def _encode_memo(key: str, value: Any, out: list[str], newline: str, step: str) -> None:
+    try:
+        compact = json.dumps(value, separators=(",", ":"), allow_nan=True)
+    except (TypeError, ValueError):
+        _encode_indented(value, out, newline, step)
+        return
+    memo = (key, compact, newline, step)
+    text = _MEMO.get(memo)
+    if text is None:
+        parts: list[str] = []
+        _encode_indented(value, parts, newline, step)
+        text = "".join(parts)
+        if len(_MEMO) >= _MEMO_LIMIT:
+            _MEMO.clear()
+        _MEMO[memo] = text
+    out.append(text)
 
 
 def key_of_document(doc: dict[str, Any], coords: Sequence[int]) -> str:
