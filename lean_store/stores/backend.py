@@ -43,6 +43,8 @@ class Backend:
     """``writer(path, chunk_bytes=, compression=, checksum=, storage_options=)``."""
     reader: Callable[..., StoreReader]
     """``reader(path, storage_options=)``: path, URL or (Zarr) a store object."""
+    sharded: Callable[[], Any]
+    """The :class:`~lean_store.stores.sharded_layout.ShardedLayout` of sharded saves."""
 
     def check_checksum(self, checksum: Any) -> None:
         from ..errors import CheckpointError

@@ -44,15 +44,13 @@ from ...distributed.local_state import Piece
 from ...distributed.location import Location, is_url
 from ...distributed.plan import TensorPlan, collect_digests, shard_records
 from ...distributed.shard_spec import Box, ChunkPlan, assign_owners
-from ...distributed.sharded_save import SHARDED_VERSION, write_box
+from ...distributed.sharded_save import SHARDED_VERSION
 from ...errors import CheckpointError
 from ...layout import Layout
 from ...metadata import root_attrs
 from ...naming import check_names
 from ...sources.torch_source import format_of_dtype
-from ...stores.hdf5 import sharded as hdf5_sharded
-from ...stores.registry import backend_for
-from ...stores.zarr import sharded as zarr_sharded
+from ...stores.registry import backend_for, backend_record
 from .objects import ROOT_ATTR, encode_object, objects_attr
 
 
@@ -72,7 +70,7 @@ class RankTask:
     world: int
     rank: int
     plans: list[TensorPlan]
-    chunks: list[ChunkPlan]
+    chunks: list[ChunkPlan | None]
     shard_of: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = field(default_factory=dict)
 
 
@@ -113,6 +111,7 @@ class StorageWriter(storage.StorageWriter):
         self._layout: Layout | None = None
         self._plans: list[TensorPlan] = []
         self._backend = ""
+        self._layout_of_shards: Any = None  # the backend's ShardedLayout, once set up
 
     # ------------------------------------------------------------------ identity and set-up
 
@@ -152,8 +151,8 @@ class StorageWriter(storage.StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self._backend = backend_for(self.path, self.backend)
-        if self._backend == "hdf5":
-            hdf5_sharded.require_local(self.path)
+        self._layout_of_shards = backend_record(self._backend).sharded()
+        self._layout_of_shards.check_target(self.path)
 
     # ----------------------------------------------------------------------------- planning
 
@@ -187,12 +186,12 @@ class StorageWriter(storage.StorageWriter):
             shards = assign_owners(entry.shape or (1,), held[entry.name],
                                    f"tensor {entry.name!r}")
             tensor_plans.append(TensorPlan(entry, tuple(shards)))
-        chunks = [zarr_sharded.chunk_plan(p, self.chunk_bytes, always_aligned=True)
-                  for p in tensor_plans] if self._backend == "zarr" else []
+        # DCP's ranks write at once: never a chunk shared between ranks
+        chunks = self._layout_of_shards.chunk_plans(tensor_plans, self.chunk_bytes,
+                                                    always_aligned=True)
         location = Location.create(self.path)
         try:
-            if self._backend == "zarr":
-                zarr_sharded.create_arrays(location.work, tensor_plans, chunks, self.compression)
+            self._layout_of_shards.prepare(location.work, tensor_plans, chunks, self.compression)
         except BaseException:
             location.abort()
             raise
@@ -228,11 +227,8 @@ class StorageWriter(storage.StorageWriter):
                 elif _item_key(item.index) in task.shard_of:
                     tensors.append(item)
             if tensors:
-                if task.backend == "zarr":
-                    results.extend(_write_zarr(task, tensors, planner))
-                else:
-                    results.extend(_write_hdf5(task, tensors, planner, self.chunk_bytes,
-                                               self.compression))
+                results.extend(_write_shards(task, tensors, planner, self.chunk_bytes,
+                                             self.compression))
         except BaseException:
             # the coordinator removes the work directory it created; DCP never calls finish
             # after a failed write (a failure on another rank leaves the hidden directory,
@@ -291,10 +287,7 @@ class StorageWriter(storage.StorageWriter):
             ordered = {k: objects[k] for k in sorted(objects)}
             attrs = root_attrs(layout, "state", {"sharded": sharded,
                                                  ROOT_ATTR: objects_attr(ordered)})
-            if self._backend == "zarr":
-                zarr_sharded.finish(location.work, self._plans, records, attrs)
-            else:
-                hdf5_sharded.write_master(location.work, len(results), self._plans, records,
+            self._layout_of_shards.finish(location.work, len(results), self._plans, records,
                                           attrs, self.chunk_bytes)
             location.commit()
         except BaseException:
@@ -353,36 +346,13 @@ def _result(item: Any, i: int, k: int, crc: int, unit: Any, nbytes: int
                                storage_data={"i": i, "k": k, "crc": int(crc), "unit": list(unit)})
 
 
-def _write_zarr(task: RankTask, items: list[Any], planner: SavePlanner
-                ) -> list[storage.WriteResult]:
+def _write_shards(task: RankTask, items: list[Any], planner: SavePlanner, chunk_bytes: int,
+                  compression: Any) -> list[storage.WriteResult]:
     out = []
-    for item in items:
-        i, k, piece, box = _piece(task, item, planner)
-        plan, cp = task.plans[i], task.chunks[i]
-        sink = zarr_sharded.open_writer(task.work, plan, cp)
-        crc = write_box(piece, box, cp.chunks, sink.write)
-        out.append(_result(item, i, k, crc, cp.chunks, piece.local.nbytes))
-    return out
-
-
-def _write_hdf5(task: RankTask, items: list[Any], planner: SavePlanner, chunk_bytes: int,
-                compression: Any) -> list[storage.WriteResult]:
-    out = []
-    writer = hdf5_sharded.open_rank_writer(task.work, task.rank, task.world, chunk_bytes,
-                                           compression)
-    with writer:
+    layout = backend_record(task.backend).sharded()
+    with layout.rank_writer(task.work, task.rank, task.world, chunk_bytes, compression) as writer:
         for item in items:
             i, k, piece, box = _piece(task, item, planner)
-            plan = task.plans[i]
-            entry = hdf5_sharded.shard_entry(plan, k, box)
-            sink = writer.add_tensor(entry, {"tensor": plan.entry.name, "shard": k,
-                                             "offsets": box.offsets})
-            crc = write_box(piece, box, sink.write_unit,
-                            lambda region, bits, box=box, sink=sink: sink.write(
-                                box.local(region), bits))
-            sink.close({"crc32c": crc})
-            out.append(_result(item, i, k, crc, sink.write_unit, piece.local.nbytes))
-        writer.commit({"lean_store_shard": json.dumps(
-            {"rank": task.rank, "world_size": task.world}, separators=(",", ":"))})
+            crc, unit = writer.write(task.plans[i], task.chunks[i], k, box, piece.source().read)
+            out.append(_result(item, i, k, crc, unit, piece.local.nbytes))
     return out
-

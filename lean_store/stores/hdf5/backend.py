@@ -42,6 +42,12 @@ def _reader(path: Any, *, storage_options: dict[str, Any] | None = None) -> Stor
     return HDF5Reader(path) if directory is None else ShardedHDF5Reader(directory)
 
 
+def _sharded() -> Any:
+    from .sharded import HDF5ShardedLayout
+
+    return HDF5ShardedLayout()
+
+
 def _stored_shape(entry: Entry) -> tuple[int, ...]:
     return entry.shape or (1,)
 
@@ -50,5 +56,5 @@ HDF5 = Backend(
     name="hdf5", title="HDF5", suffixes=(".h5", ".hdf5", ".hdf"), directory=False, urls=False,
     incremental=False, checksums=(None, *CHECKSUMS),
     storage_name=_storage_name, stored_shape=_stored_shape, holds=_holds,
-    writer=_writer, reader=_reader,
+    writer=_writer, reader=_reader, sharded=_sharded,
 )

@@ -16,9 +16,10 @@ its per-chunk CRC-32C table.
 from __future__ import annotations
 
 import contextvars
+import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,14 @@ from h5py import h5d, h5p, h5s
 
 from ...chunking import plan_chunks
 from ...distributed.plan import TensorPlan
-from ...distributed.shard_spec import Box
+from ...distributed.shard_spec import Box, ChunkPlan
 from ...errors import CheckpointError, IntegrityError, UnsafeFileError
 from ...layout import Entry
 from ...metadata import tensor_attrs
 from ...naming import node_name
 from ...replacement import PinnedRoot, check_unchanged
 from ..base import Selection, StoredTensor
+from ..sharded_layout import RankShardWriter, ShardedLayout, write_box
 from .store import (
     ATTR_PHASE_CHANGE,
     HDF5Reader,
@@ -360,3 +362,47 @@ def sharded_dir_of(path: Any) -> Path | None:
     if p.name == MASTER_NAME and p.is_file():
         return p.parent
     return None
+
+
+class _HDF5RankWriter(RankShardWriter):
+    def __init__(self, writer: HDF5Writer, rank: int, world: int) -> None:
+        self._writer, self._rank, self._world = writer, rank, world
+
+    def write(self, plan: TensorPlan, chunk: ChunkPlan | None, k: int, box: Box,
+              read: Callable[[tuple[slice, ...]], np.ndarray]) -> tuple[int, tuple[int, ...]]:
+        sink = self._writer.add_tensor(shard_entry(plan, k, box), {
+            "tensor": plan.entry.name, "shard": k, "offsets": box.offsets})
+        crc = write_box(read, box, sink.write_unit,
+                        lambda region, bits: sink.write(box.local(region), bits))
+        sink.close({"crc32c": crc})
+        return crc, tuple(sink.write_unit)
+
+    def __enter__(self) -> _HDF5RankWriter:
+        self._writer.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self._writer.commit({"lean_store_shard": json.dumps(
+                {"rank": self._rank, "world_size": self._world}, separators=(",", ":"))})
+        self._writer.__exit__(*exc)
+
+
+class HDF5ShardedLayout(ShardedLayout):
+    """One shard file per writing rank and a master file of virtual datasets."""
+
+    def check_target(self, path: Any) -> None:
+        require_local(path)
+
+    def chunk_plans(self, plans: list[TensorPlan], chunk_bytes: int, *,
+                    always_aligned: bool = False) -> list[ChunkPlan | None]:
+        return [None] * len(plans)  # each rank chunks the datasets of its own file
+
+    def rank_writer(self, work: str, rank: int, world: int, chunk_bytes: int,
+                    compression: Any) -> RankShardWriter:
+        return _HDF5RankWriter(open_rank_writer(work, rank, world, chunk_bytes, compression),
+                               rank, world)
+
+    def finish(self, work: str, world: int, plans: list[TensorPlan], records: list[str],
+               root_attrs: dict[str, Any], chunk_bytes: int) -> None:
+        write_master(work, world, plans, records, root_attrs, chunk_bytes)

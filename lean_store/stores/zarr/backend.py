@@ -14,15 +14,21 @@ from ..base import StoreReader, StoreWriter
 
 
 def _storage_name(fmt: ScalarFormat) -> str:
-    from .store import native_dtype
+    from .store import storage_name_of
 
-    return "native" if native_dtype(fmt) is not None else "raw"
+    return storage_name_of(fmt)
 
 
 def _stored_shape(entry: Entry) -> tuple[int, ...]:
     from .store import stored_shape
 
     return stored_shape(entry)
+
+
+def _sharded() -> Any:
+    from .sharded import ZarrShardedLayout
+
+    return ZarrShardedLayout()
 
 
 def _holds(path: Path) -> bool:
@@ -54,5 +60,5 @@ def _reader(path: Any, *, storage_options: dict[str, Any] | None = None) -> Stor
 ZARR = Backend(
     name="zarr", title="Zarr", suffixes=(".zarr",), directory=True, urls=True, incremental=True,
     checksums=(None, "crc32c"), storage_name=_storage_name, stored_shape=_stored_shape,
-    holds=_holds, writer=_writer, reader=_reader,
+    holds=_holds, writer=_writer, reader=_reader, sharded=_sharded,
 )

@@ -18,18 +18,21 @@ every rank and every caller (``ls.save``, the DCP backend) decides alike.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zarr
 
+from ...chunking import DEFAULT_CHUNK_BYTES, plan_chunks
 from ...distributed.location import is_url, storage_options_for
 from ...distributed.plan import TensorPlan
-from ...distributed.shard_spec import ChunkPlan, aligned_chunks
+from ...distributed.shard_spec import Box, ChunkPlan, aligned_chunks
 from ...errors import CheckpointError
 from ...metadata import tensor_attrs
 from ...naming import node_name
-from ...writing import storage_name
+from ..sharded_layout import RankShardWriter, ShardedLayout, write_box
 from .compat import (
     consolidated_group_document,
     encoded_document,
@@ -44,6 +47,7 @@ from .store import (
     dimension_names,
     mark_complete,
     native_dtype,
+    storage_name_of,
     stored_shape,
 )
 
@@ -79,7 +83,7 @@ def create_arrays(
         entry = plan.entry
         shape = stored_shape(entry)
         pair = shape[len(plan.stored_shape):]
-        attrs = tensor_attrs(entry, storage_name(entry, "zarr"))
+        attrs = tensor_attrs(entry, storage_name_of(entry.format))
         group.create_array(
             node_name(entry.name),
             shape=shape,
@@ -143,7 +147,7 @@ def array_document(plan: TensorPlan, cp: ChunkPlan) -> dict[str, Any] | None:
     entry = plan.entry
     shape = stored_shape(entry)
     pair = shape[len(plan.stored_shape):]
-    attrs = _plain(tensor_attrs(entry, storage_name(entry, "zarr")))
+    attrs = _plain(tensor_attrs(entry, storage_name_of(entry.format)))
     dtype = native_dtype(entry.format) or entry.format.storage_dtype
     return plain_array_document(shape, dtype, cp.chunks + pair, None, attrs,
                                 dimension_names(entry))
@@ -201,3 +205,40 @@ def finish_documents(root: Path, plans: list[TensorPlan], docs: list[dict[str, A
     attrs = {**attrs, **_plain(root_attrs), "complete": True}
     (root / "zarr.json").write_bytes(json_document_bytes(
         consolidated_group_document(attrs, written)))
+
+
+class _ZarrRankWriter(RankShardWriter):
+    def __init__(self, root: str) -> None:
+        self._root = root
+
+    def write(self, plan: TensorPlan, chunk: ChunkPlan | None, k: int, box: Box,
+              read: Callable[[tuple[slice, ...]], np.ndarray]) -> tuple[int, tuple[int, ...]]:
+        assert chunk is not None
+        unit = chunk.chunks
+        if not chunk.aligned:  # shared chunks: the caller takes turns; units of about 4 MiB
+            unit = plan_chunks(box.lengths, plan.entry.format.storage_dtype.itemsize,
+                               DEFAULT_CHUNK_BYTES)
+        sink = open_writer(self._root, plan, chunk)
+        return write_box(read, box, unit, sink.write), tuple(unit)
+
+
+class ZarrShardedLayout(ShardedLayout):
+    """One array per tensor; every rank writes the chunks of its shards into it."""
+
+    def chunk_plans(self, plans: list[TensorPlan], chunk_bytes: int, *,
+                    always_aligned: bool = False) -> list[ChunkPlan | None]:
+        return [chunk_plan(p, chunk_bytes, always_aligned=always_aligned) for p in plans]
+
+    def prepare(self, work: str, plans: list[TensorPlan], chunks: list[ChunkPlan | None],
+                compression: Any) -> None:
+        aligned = [c for c in chunks if c is not None]
+        assert len(aligned) == len(plans)
+        create_arrays(work, plans, aligned, compression)
+
+    def rank_writer(self, work: str, rank: int, world: int, chunk_bytes: int,
+                    compression: Any) -> RankShardWriter:
+        return _ZarrRankWriter(work)
+
+    def finish(self, work: str, world: int, plans: list[TensorPlan], records: list[str],
+               root_attrs: dict[str, Any], chunk_bytes: int) -> None:
+        finish(work, plans, records, root_attrs)

@@ -66,6 +66,11 @@ def native_dtype(fmt: ScalarFormat) -> np.dtype | None:
     return dtype
 
 
+def storage_name_of(fmt: ScalarFormat) -> str:
+    """The ``storage`` attribute of a tensor of this format: native dtype or raw words."""
+    return "native" if native_dtype(fmt) is not None else "raw"
+
+
 def stored_shape(entry: Entry) -> tuple[int, ...]:
     shape = entry.shape or (1,)
     if entry.format.words_per_value == 2 and native_dtype(entry.format) is None:
