@@ -9,6 +9,7 @@ from typing import Any
 from ..chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 from ..errors import CheckpointError, IntegrityError
 from .base import StoreReader, StoreWriter
+from .commit import is_url
 
 BACKENDS = ("hdf5", "zarr")
 
@@ -54,11 +55,6 @@ def detect_backend(path: str | os.PathLike) -> str:
         f"{p} is not a lean_store checkpoint (no HDF5 signature at offset 0 or after a user "
         "block at 512, 1024, 2048, ... bytes, and not a Zarr directory)"
     )
-
-
-def is_url(path: Any) -> bool:
-    """An fsspec URL (``s3://bucket/run/step.zarr``, ``file:///...``): Zarr checkpoints only."""
-    return isinstance(path, str) and "://" in path
 
 
 def open_writer(

@@ -41,7 +41,6 @@ from torch.futures import Future
 
 from ...chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 from ...distributed.local_state import Piece
-from ...distributed.location import Location, is_url
 from ...distributed.plan import TensorPlan, collect_digests, shard_records
 from ...distributed.shard_spec import Box, ChunkPlan, assign_owners
 from ...distributed.sharded_save import SHARDED_VERSION, write_box
@@ -50,6 +49,7 @@ from ...layout import Layout
 from ...metadata import root_attrs
 from ...naming import check_names
 from ...sources.torch_source import format_of_dtype
+from ...stores.commit import Commit, is_url
 from ...stores.hdf5 import sharded as hdf5_sharded
 from ...stores.registry import backend_for
 from ...stores.zarr import sharded as zarr_sharded
@@ -109,7 +109,7 @@ class StorageWriter(storage.StorageWriter):
         self.is_coordinator = False
         self.rank = 0
         self.save_id = uuid.uuid4().hex
-        self._location: Location | None = None
+        self._location: Commit | None = None
         self._layout: Layout | None = None
         self._plans: list[TensorPlan] = []
         self._backend = ""
@@ -189,7 +189,8 @@ class StorageWriter(storage.StorageWriter):
             tensor_plans.append(TensorPlan(entry, tuple(shards)))
         chunks = [zarr_sharded.chunk_plan(p, self.chunk_bytes, always_aligned=True)
                   for p in tensor_plans] if self._backend == "zarr" else []
-        location = Location.create(self.path)
+        location = Commit.at(self.path, directory=True)
+        location.make_directory()
         try:
             if self._backend == "zarr":
                 zarr_sharded.create_arrays(location.work, tensor_plans, chunks, self.compression)

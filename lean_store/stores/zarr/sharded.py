@@ -13,12 +13,12 @@ from typing import Any
 
 import zarr
 
-from ...distributed.location import is_url, storage_options_for
 from ...distributed.plan import TensorPlan
 from ...distributed.shard_spec import ChunkPlan, aligned_chunks
 from ...metadata import tensor_attrs
 from ...naming import node_name
 from ...writing import storage_name
+from ..commit import is_url, storage_options_for
 from .store import (
     ZarrTensorWriter,
     _plain,
