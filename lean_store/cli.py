@@ -286,9 +286,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     else:
         _check_target(args.output, args.force)
-        from .interop.torchlean import atomic_write
+        from .interop.torchlean import STATE_JSON_FILE, atomic_write
 
-        atomic_write(args.output, [text])
+        atomic_write(args.output, [text], STATE_JSON_FILE)
     return EXIT_OK
 
 
