@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 import lean_store as ls
-from lean_store.stores.commit import Commit
 from lean_store.errors import ForeignPathError
-from lean_store.stores.commit import replace_atomically
+from lean_store.stores.commit import Commit, replace_atomically
 from lean_store.stores.hdf5.store import HDF5TensorWriter
 from lean_store.stores.target import check_replaceable, is_checkpoint
 from lean_store.stores.zarr.store import ZarrTensorWriter

@@ -95,13 +95,19 @@ class Commit(ABC):
     def __enter__(self) -> Commit:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Abort unless committed; an operating system's refusal inside the block (a full
+        disk, a read-only file system) becomes a :class:`SaveIOError` naming the target."""
         if not self.committed:
             self.abort()
+        if refused_by_os(exc):
+            raise SaveIOError.wrapping(self.target, exc) from exc
 
 
 class LocalCommit(Commit):
     """A hidden temporary sibling, renamed (or exchanged) into place."""
+
+    target: Path
 
     def __init__(self, path: Path, *, directory: bool, kind: FileKind | None = None) -> None:
         self.target = path
