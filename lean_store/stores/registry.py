@@ -74,9 +74,6 @@ def open_writer(
                              storage_options=storage_options)
     if storage_options is not None:
         raise CheckpointError("storage_options apply to URLs (s3://..., file://...) only")
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
     if backend == "hdf5":
         from .hdf5.store import HDF5Writer
 

@@ -38,9 +38,9 @@ class ZarrURLWriter(ZarrWriter):
                              storage_options=storage_options)
         self.url = url
         self._compressors = compressors_for(compression)
-        with self._creating():
-            store = open_url_store(url, storage_options, read_only=False)
-            self._group = zarr.open_group(store=store, mode="w-", zarr_format=3)
+        # no cleanup if this fails: a failure here may mean another writer took the prefix
+        store = open_url_store(url, storage_options, read_only=False)
+        self._group = zarr.open_group(store=store, mode="w-", zarr_format=3)
         self._direct_root = None  # no local files: every chunk goes through zarr
 
 
