@@ -31,7 +31,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _Lightning
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, IntegrityError
 from ..statetree import decode, encode, tensor_names
-from ..stores.commit import is_url
+from ..stores.registry import is_url
 from ..writing import write_source
 
 LIGHTNING_FORMAT_VERSION = 1

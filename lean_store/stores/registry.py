@@ -9,7 +9,6 @@ from typing import Any
 from ..chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 from ..errors import CheckpointError, IntegrityError
 from .base import StoreReader, StoreWriter
-from .commit import is_url
 
 BACKENDS = ("hdf5", "zarr")
 
@@ -57,6 +56,11 @@ def detect_backend(path: str | os.PathLike) -> str:
     )
 
 
+def is_url(path: Any) -> bool:
+    """An fsspec URL (``s3://bucket/run/step.zarr``, ``file:///...``): Zarr checkpoints only."""
+    return isinstance(path, str) and "://" in path
+
+
 def open_writer(
     path: str | os.PathLike, backend: str, *, chunk_bytes: int | None, compression: Any,
     checksum: str | None = None, storage_options: dict[str, Any] | None = None,
@@ -74,6 +78,9 @@ def open_writer(
                              storage_options=storage_options)
     if storage_options is not None:
         raise CheckpointError("storage_options apply to URLs (s3://..., file://...) only")
+    parent = Path(path).parent
+    if not parent.is_dir():
+        raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
     if backend == "hdf5":
         from .hdf5.store import HDF5Writer
 
