@@ -286,9 +286,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     else:
         _check_target(args.output, args.force)
-        from .interop.torchlean import atomic_write
+        from .interop.torchlean import STATE_JSON_FILE, atomic_write
 
-        atomic_write(args.output, [text])
+        atomic_write(args.output, [text], STATE_JSON_FILE)
     return EXIT_OK
 
 
@@ -363,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "weights-gzip (no plugin needed), gzip, gzip:LEVEL, lzf; zarr: zstd, gzip, "
                    "blosc")
     p.add_argument("--chunk-bytes", type=int, help="chunk size for hdf5/zarr outputs")
-    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace DST if it is a file of the kind written")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (default: a bar on a terminal for big inputs)")
     p.set_defaults(func=cmd_convert)
@@ -373,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("--json", action="store_true", help="TorchLean Checkpoint.State JSON")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
-    p.add_argument("--force", action="store_true", help="replace the output file if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace the output if it is TorchLean JSON state")
     p.set_defaults(func=cmd_export)
 
     p = add("import", "Make a lean_store checkpoint from TorchLean JSON state (or any input).",
@@ -382,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output checkpoint (.h5 or .zarr)")
     p.add_argument("--from", dest="src_format", choices=FORMATS, help="input format")
     p.add_argument("--to", dest="dst_format", choices=FORMATS, help="output format")
-    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace DST if it is a file of the kind written")
     p.set_defaults(func=cmd_import)
     return parser
 

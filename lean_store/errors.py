@@ -48,7 +48,14 @@ class ForeignPathError(CheckpointError):
         self.found = found
 
     @classmethod
-    def at(cls, path: object, found: str) -> ForeignPathError:
+    def at(cls, path: object, found: str, *, wanted: str | None = None) -> ForeignPathError:
+        """``wanted``: the kind of file an interop writer may replace (default: a checkpoint)."""
+        if wanted is not None:
+            return cls(
+                f"refusing to replace {path}: it is {found}; a writer of {wanted} replaces only "
+                "a file of that kind. Remove it first to overwrite it on purpose, or write to "
+                "another path", path=str(path), found=found,
+            )
         return cls(
             f"refusing to replace {path}: it is {found}, not a lean_store checkpoint; "
             "lean_store replaces only its own checkpoints (and empty directories). Remove it "

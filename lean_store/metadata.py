@@ -27,7 +27,8 @@ from .formats import BinaryFormat, ComplexFormat, get
 from .hardening import json_depth
 from .layout import Entry, Layout
 from .naming import node_name
-from .stores.base import FORMAT_NAME, FORMAT_VERSION, StoredTensor, StoreReader
+from .stores.base import FORMAT_VERSION, StoredTensor, StoreReader
+from .stores.target import FORMAT_NAME
 
 KINDS = ("state", "module", "optimizer", "training")
 MAX_ELEMENTS = 1 << 48  # a claimed size beyond this is rejected, never allocated

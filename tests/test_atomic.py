@@ -10,7 +10,7 @@ import pytest
 import zarr
 
 import lean_store as ls
-from lean_store.stores import base
+from lean_store.stores import commit
 from lean_store.stores.registry import open_writer
 
 SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
@@ -71,7 +71,7 @@ def test_overwrite_replaces_and_leaves_nothing_behind(tmp_path, backend):
 
 
 def test_directory_swap_without_renameat2_still_commits(tmp_path, monkeypatch):
-    monkeypatch.setattr(base, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
     path = tmp_path / "ck.zarr"
     ls.save(_state(1), path)
     ls.save(_state(2), path)
@@ -126,7 +126,7 @@ def test_missing_commit_marker_is_incomplete(tmp_path, backend):
 def test_fsync_before_rename_and_parent_after(tmp_path, backend, monkeypatch):
     events: list[tuple[str, str]] = []
     real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
-    real_exchange = base._exchange
+    real_exchange = commit._exchange
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -142,7 +142,7 @@ def test_fsync_before_rename_and_parent_after(tmp_path, backend, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    monkeypatch.setattr(base, "_exchange", exchange)
+    monkeypatch.setattr(commit, "_exchange", exchange)
     path = tmp_path / f"ck{SUFFIX[backend]}"
     ls.save(_state(1), path)
     ls.save(_state(2), path)  # the overwrite path (directory exchange for zarr)

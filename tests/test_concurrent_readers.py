@@ -359,7 +359,7 @@ def sharded_pairs(tmp_path_factory) -> Path:
 def test_sharded_checkpoint_replaced_while_open(sharded_pairs, backend):
     """A sharded HDF5 checkpoint is a directory whose master file reads shard files by name
     (HDF5 virtual datasets): a replaced directory must not hand out the new shards."""
-    from lean_store.stores.base import replace_atomically
+    from lean_store.stores.commit import replace_atomically
 
     path = sharded_pairs / f"run{SUFFIX[backend]}"
     fresh = sharded_pairs / f"fresh{SUFFIX[backend]}"

@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 import lean_store as ls
-from lean_store.distributed.location import Location
 from lean_store.errors import ForeignPathError
-from lean_store.stores.base import replace_atomically
+from lean_store.stores.commit import Commit, replace_atomically
 from lean_store.stores.hdf5.store import HDF5TensorWriter
 from lean_store.stores.target import check_replaceable, is_checkpoint
 from lean_store.stores.zarr.store import ZarrTensorWriter
@@ -215,11 +214,12 @@ def test_sharded_location_refuses_a_foreign_directory(tmp_path):
     make_tree(target)
     before = snapshot(target)
     with pytest.raises(ForeignPathError, match="a directory with 2 entries"):
-        Location.create(target)
+        Commit.at(target, directory=True)
     assert snapshot(target) == before and hidden(tmp_path) == []
     # something foreign appearing while the ranks write is refused at the commit
     fresh = tmp_path / "fresh.zarr"
-    location = Location.create(fresh)
+    location = Commit.at(fresh, directory=True)
+    location.make_directory()
     (Path(location.work) / "zarr.json").write_text("{}")
     fresh.write_text("appeared")
     with pytest.raises(ForeignPathError):

@@ -18,7 +18,7 @@ KNOWN_IN_CYCLES = {
     "lean_store.distributed.sharded_save", "lean_store.distributed.training",
     "lean_store.inspection.analysis", "lean_store.inspection.reading",
     "lean_store.inspection.verify", "lean_store.training.checkpointer",
-    "lean_store.training.state", "lean_store.stores.base", "lean_store.stores.target",
+    "lean_store.training.state",
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 from torch_optional import require_torch
 
 import lean_store as ls
-from lean_store.stores import base, fs_sync
+from lean_store.stores import commit, fs_sync
 
 torch = require_torch()  # Checkpointer steps hold a torch model
 
@@ -29,7 +29,7 @@ def _record(monkeypatch) -> list[tuple[str, str]]:
     """("fsync" | "syncfs" | "rename", path) in order."""
     events: list[tuple[str, str]] = []
     real_fsync, real_syncfs, real_exchange, real_replace = (
-        os.fsync, fs_sync.syncfs, base._exchange, os.replace)
+        os.fsync, fs_sync.syncfs, commit._exchange, os.replace)
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -50,7 +50,7 @@ def _record(monkeypatch) -> list[tuple[str, str]]:
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(fs_sync, "syncfs", syncfs)
     monkeypatch.setattr(os, "replace", replace)
-    monkeypatch.setattr(base, "_exchange", exchange)
+    monkeypatch.setattr(commit, "_exchange", exchange)
     return events
 
 
@@ -89,8 +89,8 @@ def test_linked_files_are_not_fsynced_and_directories_take_one_syncfs(tmp_path, 
 def test_without_syncfs_every_directory_is_fsynced(tmp_path, monkeypatch):
     monkeypatch.setattr(fs_sync, "_SYNCFS", None)
     events: list[str] = []
-    real = base._fsync_dir
-    monkeypatch.setattr(base, "_fsync_dir", lambda p: (events.append(str(p)), real(p))[1])
+    real = commit._fsync_dir
+    monkeypatch.setattr(commit, "_fsync_dir", lambda p: (events.append(str(p)), real(p))[1])
     path = tmp_path / "w.zarr"
     ls.save({"a": np.arange(10.0), "b": np.ones((3, 4), np.float32)}, path)
     dirs = [p for p in path.rglob("*") if p.is_dir()] + [path]

@@ -231,7 +231,7 @@ def test_the_final_rename_fails(tmp_path, monkeypatch, suffix):
 
 
 def test_sharded_location_names_the_target(tmp_path, monkeypatch):
-    from lean_store.distributed.location import Location
+    from lean_store.stores.commit import Commit
 
     target = tmp_path / "ck.zarr"
 
@@ -240,7 +240,7 @@ def test_sharded_location_names_the_target(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "mkdir", mkdir)
     with pytest.raises(SaveIOError) as info:
-        Location.create(target)
+        Commit.at(target, directory=True).make_directory()
     monkeypatch.undo()
     check_error(info.value, target, errno.EROFS)
     assert hidden(tmp_path) == []

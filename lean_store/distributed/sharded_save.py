@@ -25,12 +25,12 @@ from ..errors import CheckpointError
 from ..integrity import crc32c_update
 from ..layout import Layout
 from ..metadata import root_attrs
+from ..stores.commit import Commit
 from ..stores.hdf5 import sharded as hdf5_sharded
 from ..stores.registry import backend_for
 from ..stores.zarr import sharded as zarr_sharded
 from .collective import Collective, ShardedError
 from .local_state import Piece, local_pieces
-from .location import Location
 from .plan import TensorPlan, collect_digests, describe, make_plan, shard_records
 from .shard_spec import Box
 
@@ -93,12 +93,13 @@ def save(
     chunks = [zarr_sharded.chunk_plan(p, chunk_bytes) for p in plans] if backend == "zarr" else []
 
     # 3. prepare (rank 0)
-    location: Location | None = None
+    location: Commit | None = None
     error = None
     work = None
     if comm.rank == 0:
         try:
-            location = Location.create(path)
+            location = Commit.at(path, directory=True)
+            location.make_directory()
             work = location.work
             if backend == "zarr":
                 zarr_sharded.create_arrays(work, plans, chunks, compression)

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import struct
-import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,21 @@ from ..errors import CheckpointError, FormatError, IntegrityError, UnsafeFileErr
 from ..formats import ScalarFormat, get
 from ..layout import Entry, Layout
 from ..sources.base import SourceTensor, TensorSource
+from ..stores.commit import Commit
+from ..stores.target import FileKind
 
 MAX_HEADER_BYTES = 100_000_000  # the limit the safetensors library enforces
+
+
+def _looks_like_safetensors(head: bytes) -> bool:
+    """An 8-byte little-endian header length within safetensors' limit, then a JSON object."""
+    if len(head) < 10:
+        return False
+    (n,) = struct.unpack_from("<Q", head)
+    return 2 <= n <= MAX_HEADER_BYTES and head[8:9] == b"{"
+
+
+SAFETENSORS_FILE = FileKind("a safetensors file", _looks_like_safetensors)
 _BLOCK_BYTES = 8 << 20
 
 # safetensors dtype name -> lean_store tag. "F8_E4M3" is torch's float8_e4m3fn.
@@ -237,9 +249,12 @@ def write_safetensors(
     metadata: Mapping[str, str] | None = None,
     progress: Any = None,
 ) -> None:
-    """Write ``source`` as a safetensors file, atomically (temporary sibling, then rename).
+    """Write ``source`` as a safetensors file, atomically (a :class:`Commit`: a temporary
+    sibling, fsynced, renamed into place, then the directory fsynced).
 
     Formats safetensors cannot hold are refused with a FormatError before anything is written.
+    Only a safetensors file is replaced: a directory, a link or another kind of file at ``path``
+    raises :class:`~lean_store.errors.ForeignPathError` and is left untouched.
     """
     problems = unrepresentable(source.layout)
     if problems:
@@ -257,12 +272,8 @@ def write_safetensors(
     )
     tensors = dict(source.tensors())
     by_name = {e.name: e for e in tensors}
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise CheckpointError(f"cannot write {target}: directory {target.parent} does not exist")
-    tmp = target.with_name(f".{target.name}.lean_store-tmp-{uuid.uuid4().hex}")
-    try:
-        with tmp.open("wb") as f:
+    with Commit.local(path, directory=False, kind=SAFETENSORS_FILE) as commit:
+        with open(commit.work, "wb") as f:
             f.write(header)
             for entry in order:
                 src = tensors[by_name[entry.name]]
@@ -270,12 +281,7 @@ def write_safetensors(
                     f.write(words.astype(words.dtype.newbyteorder("<"), copy=False).tobytes())
                     if progress is not None:
                         progress.advance(words.nbytes)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        commit.commit()
 
 
 def _blocks(entry: Entry, src: SourceTensor) -> Iterator[np.ndarray]:
@@ -287,6 +293,6 @@ def _blocks(entry: Entry, src: SourceTensor) -> Iterator[np.ndarray]:
 
 
 __all__ = [
-    "DTYPES", "SafetensorsSource", "data_order", "header_bytes", "safetensors_dtype",
-    "unrepresentable", "write_safetensors",
+    "DTYPES", "SAFETENSORS_FILE", "SafetensorsSource", "data_order", "header_bytes",
+    "safetensors_dtype", "unrepresentable", "write_safetensors",
 ]

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import tempfile
 import zipfile
 from collections import OrderedDict
@@ -31,8 +32,27 @@ import numpy as np
 from ..errors import CheckpointError, FormatError, IntegrityError
 from ..layout import Layout
 from ..sources.base import TensorSource
+from ..stores.commit import Commit
+from ..stores.target import FileKind
 
 _ARCHIVE = re.compile(r"[A-Za-z0-9_\-]{1,200}")
+_ZIP_LOCAL_HEADER = b"PK\x03\x04"
+# what torch.save's legacy (pre-zip) format starts with: pickle protocol 2 of its magic number
+_LEGACY_MAGIC = b"\x80\x02\x8a\n" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def _looks_like_torch_save(head: bytes) -> bool:
+    """A zip whose first record is ``<archive>/data.pkl`` (torch.save's format since 1.6), or
+    torch.save's legacy pickle format."""
+    if head.startswith(_LEGACY_MAGIC):
+        return True
+    if len(head) < 30 or not head.startswith(_ZIP_LOCAL_HEADER):
+        return False
+    (name_length,) = struct.unpack_from("<H", head, 26)
+    return head[30:30 + name_length].endswith(b"/data.pkl")
+
+
+TORCH_FILE = FileKind("a torch.save file", _looks_like_torch_save)
 
 
 def load_state_dict(path: str | os.PathLike) -> Any:
@@ -129,7 +149,10 @@ def write_torch(
     archive: str | None = None,
     container: str | None = None,
 ) -> None:
-    """``torch.save`` an OrderedDict of exact tensors, atomically.
+    """``torch.save`` an OrderedDict of exact tensors, atomically (a :class:`Commit`: a
+    temporary sibling, fsynced, renamed into place, then the directory fsynced). Only a
+    torch.save file is replaced: a directory, a link or another kind of file at ``path`` raises
+    :class:`~lean_store.errors.ForeignPathError` and is left untouched.
 
     ``read_words(entry)`` returns the whole tensor's raw words. ``metadata`` becomes the state
     dict's ``_metadata``; ``archive`` the zip record prefix (default ``archive``);
@@ -157,25 +180,24 @@ def write_torch(
     if metadata is not None:
         state._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
     obj: Any = dict(state) if container == "dict" and metadata is None else state
-    target = Path(path)
-    if not target.parent.is_dir():
-        raise CheckpointError(f"cannot write {target}: directory {target.parent} does not exist")
     if archive is not None and not _ARCHIVE.fullmatch(archive):
         archive = None
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{target.name}.lean_store-tmp-", dir=target.parent))
-    try:
+    with Commit.local(path, directory=False, kind=TORCH_FILE) as commit:
         if archive is None or archive == "archive":
-            tmp = tmpdir / "out"
-            with tmp.open("wb") as f:  # a file object: torch names the records "archive/"
+            with open(commit.work, "wb") as f:  # a file object: torch names records "archive/"
                 torch.save(obj, f)
-        else:
-            tmp = tmpdir / archive  # torch names the records after the file name's stem
-            torch.save(obj, str(tmp))
-        with tmp.open("rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        else:  # torch names the records after the file name's stem: save under that name
+            work = Path(commit.work)
+            scratch = Path(tempfile.mkdtemp(prefix=f"{work.name}.", dir=work.parent))
+            try:
+                torch.save(obj, str(scratch / archive))
+                os.replace(scratch / archive, work)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        commit.commit()
 
 
-__all__ = ["TorchFileSource", "archive_name", "load_state_dict", "unrepresentable", "write_torch"]
+__all__ = [
+    "TORCH_FILE", "TorchFileSource", "archive_name", "load_state_dict", "unrepresentable",
+    "write_torch",
+]

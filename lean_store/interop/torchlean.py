@@ -17,12 +17,10 @@ against the bytes actually present before anything is allocated for it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
-import secrets
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,13 +29,18 @@ from typing import Any
 import numpy as np
 
 from lean_store.errors import FormatError, IntegrityError
+from lean_store.stores.commit import Commit
+from lean_store.stores.target import FileKind
 
 __all__ = [
+    "ADAM_FILE",
     "ADAM_MAGIC",
     "ADAM_VERSIONS",
+    "SF32_FILE",
     "SF32_MAGIC",
     "SF32_VERSION",
     "STATE_ENCODINGS",
+    "STATE_JSON_FILE",
     "TLAdamEntry",
     "TLAdamFile",
     "TLAdamParam",
@@ -65,6 +68,14 @@ SF32_VERSION = 1
 ADAM_MAGIC = b"TLADAMF"
 ADAM_VERSIONS = (2, 3, 4)
 STATE_ENCODINGS = ("ieee", "finite-max-nan", "finite-unsigned-zero", "finite")
+
+# the kinds of file the writers replace (anything else at the path is refused)
+SF32_FILE = FileKind("a TorchLean TLSF32B file", lambda head: head.startswith(SF32_MAGIC))
+ADAM_FILE = FileKind("a TorchLean TLADAMF file", lambda head: head.startswith(ADAM_MAGIC))
+STATE_JSON_FILE = FileKind(
+    "a TorchLean JSON state file",
+    lambda head: re.match(rb'\s*\{\s*"(format|state)"\s*:', head) is not None,
+)
 
 _U64 = struct.Struct("<Q")
 _U64_LIMIT = 1 << 64
@@ -99,23 +110,15 @@ def _load(source: str | os.PathLike[str] | bytes | bytearray | memoryview, what:
     raise TypeError(f"{what}: expected a path or bytes, got {type(source).__name__}")
 
 
-def atomic_write(path: str | os.PathLike[str], chunks: Iterable[bytes]) -> None:
-    """Write ``chunks`` to a temporary file next to ``path`` and rename it into place."""
-    target = os.fspath(path)
-    folder, name = os.path.split(os.path.abspath(target))
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as fh:
+def atomic_write(path: str | os.PathLike[str], chunks: Iterable[bytes], kind: FileKind) -> None:
+    """Write ``chunks`` to a temporary sibling of ``path``, fsync it, rename it into place and
+    fsync the directory (:class:`~lean_store.stores.commit.Commit`). Only a file of ``kind`` is
+    replaced: anything else at ``path`` raises :class:`~lean_store.errors.ForeignPathError`."""
+    with Commit.local(path, directory=False, kind=kind) as commit:
+        with open(commit.work, "wb") as fh:
             for chunk in chunks:
                 fh.write(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        commit.commit()
 
 
 def _shaped(flat: np.ndarray, shape: tuple[int, ...], where: str) -> np.ndarray:
@@ -272,7 +275,7 @@ def write_sf32(path: str | os.PathLike[str], tensors: Sequence[np.ndarray]) -> N
     """Write a ``TLSF32B`` file atomically, one tensor payload at a time."""
     chunks = _sf32_chunks(tensors)
     first = next(chunks)  # runs the validation before the file is created
-    atomic_write(path, _prepend(first, chunks))
+    atomic_write(path, _prepend(first, chunks), SF32_FILE)
 
 
 def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
@@ -604,7 +607,7 @@ def encode_state_json(state: TLState) -> bytes:
 
 def write_state_json(path: str | os.PathLike[str], state: TLState) -> None:
     """Write JSON state atomically (the bytes of :func:`encode_state_json`)."""
-    atomic_write(path, [encode_state_json(state)])
+    atomic_write(path, [encode_state_json(state)], STATE_JSON_FILE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -862,4 +865,4 @@ def encode_adam(f: TLAdamFile) -> bytes:
 
 def write_adam(path: str | os.PathLike[str], f: TLAdamFile) -> None:
     """Write a ``TLADAMF`` file atomically (the bytes of :func:`encode_adam`)."""
-    atomic_write(path, [encode_adam(f)])
+    atomic_write(path, [encode_adam(f)], ADAM_FILE)

@@ -1,2 +1,3 @@
 """Stores: the interface every backend implements (``base``), the backends (``hdf5``, ``zarr``),
-the registry that picks one for a path (``registry``), and what a save may replace (``target``)."""
+the registry that picks one for a path (``registry``), what a save may replace (``target``), and
+the one commit every writer publishes through (``commit``)."""

@@ -1,33 +1,30 @@
 """The store interface: what a backend must do, in raw bits, and nothing else.
 
 A writer creates one chunked dataset per tensor, accepts writes of whole write units (a chunk,
-or a zarr shard) in C order, and commits atomically: everything goes to a hidden temporary
-sibling which is fsynced and renamed into place only when complete. A reader lists tensors,
-reports their attributes and storage, and reads any rectangular, strided selection of raw bits.
+or a zarr shard) in C order, and commits atomically through :mod:`lean_store.stores.commit`:
+everything goes to a hidden temporary sibling which is fsynced and renamed into place only when
+complete (a URL: a new prefix whose root metadata, written last, is the commit marker). A reader
+lists tensors, reports their attributes and storage, and reads any rectangular, strided selection
+of raw bits.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
-import shutil
-import sys
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 
 from ..chunking import Region
-from ..errors import CheckpointError, SaveIOError
+from ..errors import SaveIOError
 from ..layout import Entry
+from .commit import Commit, is_url, refused_by_os
 
-FORMAT_NAME = "lean_store"
 FORMAT_VERSION = 1
 
 
@@ -95,16 +92,17 @@ class StoreWriter(ABC):
     backend: str = ""
     makes_directory: bool = False  # the checkpoint is a directory tree (else a single file)
 
-    def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.path: str | Path = path if is_url(path) else Path(path)
         self.chunk_bytes = chunk_bytes
         self.compression = compression
-        self.tmp_path = self.path.with_name(f".{self.path.name}.lean_store-tmp-{uuid.uuid4().hex}")
+        # refuses a foreign target before any byte is written (and again at the commit)
+        self._commit = Commit.at(path, directory=self.makes_directory,
+                                 storage_options=storage_options)
+        self.work = self._commit.work  # where the store is written: a temporary or the URL
+        self.tmp_path = Path(self.work)  # local stores: the hidden temporary sibling
         self._done = False
-        from .target import check_replaceable
-
-        # before any byte is written; again at the commit
-        check_replaceable(self.path, directory=self.makes_directory)
 
     @contextmanager
     def _creating(self) -> Iterator[None]:
@@ -113,9 +111,9 @@ class StoreWriter(ABC):
         try:
             yield
         except BaseException as exc:
-            discard_temporary(self.tmp_path)
+            self._commit.abort()
             self._done = True
-            if _refused_by_os(exc):
+            if refused_by_os(exc):
                 raise SaveIOError.wrapping(self.path, exc) from exc
             raise
 
@@ -128,10 +126,10 @@ class StoreWriter(ABC):
         """Write root attributes (``complete`` last), flush and close the temporary copy."""
 
     def commit(self, root_attrs: dict[str, Any]) -> None:
-        """Finish, fsync, and rename the temporary copy into place."""
+        """Finish (the root metadata last), then commit: fsync, and rename or exchange the
+        temporary copy into place (a URL: the root metadata was the commit marker)."""
         self._finish(root_attrs)
-        fsync_tree(self.tmp_path)
-        replace_atomically(self.tmp_path, self.path)
+        self._commit.commit()
         self._done = True
 
     def abort(self) -> None:
@@ -142,7 +140,7 @@ class StoreWriter(ABC):
         try:
             self._close_quietly()
         finally:
-            discard_temporary(self.tmp_path)
+            self._commit.abort()
 
     def _close_quietly(self) -> None:  # noqa: B027 # pragma: no cover - overridden
         pass
@@ -153,7 +151,7 @@ class StoreWriter(ABC):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
             self.abort()
-            if _refused_by_os(exc):
+            if refused_by_os(exc):
                 raise SaveIOError.wrapping(self.path, exc) from exc
 
 
@@ -207,117 +205,3 @@ class StoreReader(ABC):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _refused_by_os(exc: BaseException) -> TypeGuard[OSError]:
-    """An OSError carrying an errno (the operating system's refusal), not already ours."""
-    return (isinstance(exc, OSError) and isinstance(exc.errno, int)
-            and not isinstance(exc, CheckpointError))
-
-
-def remove_path(path: Path) -> None:
-    """Remove a file, link or tree if it exists (a tree: as much of it as can be removed)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-
-
-def discard_temporary(path: Path) -> None:
-    """Best-effort removal of a temporary after a failure: never masks the first error."""
-    try:
-        remove_path(path)
-    except OSError:
-        pass
-
-
-def fsync_tree(path: Path) -> None:
-    """fsync a file, or every file and directory of a tree. In a tree, a file with more than
-    one name is skipped: lean_store writes each file of a new tree once, under one name, so a
-    second name is an incremental step's hard link to a committed checkpoint's file, whose
-    data was made durable when that checkpoint was committed; the new name itself is made
-    durable with the directories. The directories' entries are made durable by one
-    ``syncfs`` where the platform has it (one journal commit instead of one per directory;
-    lean_store.stores.fs_sync), else by an fsync of each directory."""
-    from .fs_sync import syncfs
-
-    if path.is_dir():
-        dirs = []
-        for root, _dirs, files in os.walk(path):
-            for name in files:
-                file = os.path.join(root, name)
-                if os.lstat(file).st_nlink == 1:
-                    _fsync(Path(file))
-            dirs.append(Path(root))
-        if not syncfs(path):
-            for directory in dirs:
-                _fsync_dir(directory)
-    else:
-        _fsync(path)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def replace_atomically(tmp: Path, target: Path) -> None:
-    """Move ``tmp`` to ``target``. Files: one atomic rename. Directories: one atomic exchange
-    (Linux ``renameat2(RENAME_EXCHANGE)``), then the old tree, now at ``tmp``, is removed. Where
-    the exchange is unsupported the old tree is renamed aside first (``.NAME.lean_store-old-*``):
-    a crash between the two renames leaves no checkpoint at ``target`` (see docs/SECURITY.md).
-    Whatever is at ``target`` must be a lean_store checkpoint or an empty directory
-    (:func:`lean_store.stores.target.check_replaceable`); anything else is left untouched."""
-    from .target import check_replaceable
-
-    check_replaceable(target, directory=tmp.is_dir())
-    if tmp.is_dir() and target.exists():
-        if _exchange(tmp, target):
-            _fsync_dir(target.parent)
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
-        old = target.with_name(f".{target.name}.lean_store-old-{uuid.uuid4().hex}")
-        os.rename(target, old)
-        os.rename(tmp, target)
-        _fsync_dir(target.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
-    _fsync_dir(target.parent)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths with ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))

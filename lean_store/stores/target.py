@@ -15,6 +15,10 @@ a FIFO, ...) raises :class:`~lean_store.errors.ForeignPathError` and is not touc
 directory holds nothing to lose and may be replaced by a directory store. The probe reads at most
 one small attribute or one bounded JSON file, never follows a symbolic link, and never opens
 anything but a regular file.
+
+The interop writers (safetensors, ``.pt``, TorchLean) ask :func:`check_file_kind` instead: a
+regular file of the kind they write (recognised by its first bytes, :class:`FileKind`) may be
+replaced; anything else (a directory, a link, a file of another kind, an empty file) is refused.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError, ForeignPathError
-from .base import FORMAT_NAME
 
+FORMAT_NAME = "lean_store"  # the root attribute ``lean_store`` of every checkpoint holds this
 SHARDED_HDF5_MASTER = "lean_store.h5"  # the master file of a sharded HDF5 checkpoint
 MAX_ZARR_JSON = 256 << 20  # a root zarr.json larger than this is not one lean_store wrote
 _SHOWN_ENTRIES = 3
@@ -53,6 +59,49 @@ def check_replaceable(path: str | os.PathLike, *, directory: bool | None = None)
             f"cannot replace {path} with a single-file checkpoint: it is {what}; remove it "
             "first to overwrite it on purpose, or save to another path"
         )
+
+
+@dataclass(frozen=True)
+class FileKind:
+    """A kind of single file an interop writer produces: its name in words, and a test of a
+    file's first bytes (at most :attr:`probe` of them) that says whether a file is one."""
+
+    name: str
+    recognise: Callable[[bytes], bool]
+    probe: int = 4096
+
+
+def check_file_kind(path: str | os.PathLike, kind: FileKind) -> None:
+    """Raise :class:`ForeignPathError` unless ``path`` is absent or a regular file (not a link)
+    whose first bytes ``kind`` recognises: an interop writer replaces its own kind of file only.
+    """
+    target = Path(path)
+    try:
+        st = target.lstat()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ForeignPathError.at(path, f"unreadable ({exc.strerror})", wanted=kind.name
+                                  ) from None
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        try:
+            with open(target, "rb") as f:
+                head = f.read(kind.probe)
+        except OSError as exc:
+            raise ForeignPathError.at(path, f"a file that cannot be read ({exc.strerror})",
+                                      wanted=kind.name) from None
+        if head and kind.recognise(head):
+            return
+        what = "an empty regular file" if not head else f"a regular file of {st.st_size} bytes"
+        found = f"{what} that is not {kind.name}"
+    elif stat.S_ISDIR(mode):
+        found = "a directory"
+    elif stat.S_ISLNK(mode):
+        found = f"a symbolic link (to {os.readlink(target)!r}); lean_store does not replace links"
+    else:
+        found = _special_kind(mode)
+    raise ForeignPathError.at(path, found, wanted=kind.name)
 
 
 def occupant(path: Path) -> str | None:
@@ -198,4 +247,6 @@ def _special_kind(mode: int) -> str:
     return "a special file"
 
 
-__all__ = ["check_replaceable", "is_checkpoint", "occupant"]
+__all__ = [
+    "FORMAT_NAME", "FileKind", "check_file_kind", "check_replaceable", "is_checkpoint", "occupant",
+]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ForeignPathError
-from ..stores.base import remove_path
+from ..stores.commit import remove_path
 from ..stores.registry import BACKENDS, backend_record
 from ..stores.target import check_replaceable
 from ..stores.zarr.incremental import IncrementalStats, linking_from

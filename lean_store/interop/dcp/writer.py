@@ -41,7 +41,6 @@ from torch.futures import Future
 
 from ...chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 from ...distributed.local_state import Piece
-from ...distributed.location import Location, is_url
 from ...distributed.plan import TensorPlan, collect_digests, shard_records
 from ...distributed.shard_spec import Box, ChunkPlan, assign_owners
 from ...distributed.sharded_save import SHARDED_VERSION
@@ -50,6 +49,7 @@ from ...layout import Layout
 from ...metadata import root_attrs
 from ...naming import check_names
 from ...sources.torch_source import format_of_dtype
+from ...stores.commit import Commit, is_url
 from ...stores.registry import backend_for, backend_record
 from .objects import ROOT_ATTR, encode_object, objects_attr
 
@@ -107,7 +107,7 @@ class StorageWriter(storage.StorageWriter):
         self.is_coordinator = False
         self.rank = 0
         self.save_id = uuid.uuid4().hex
-        self._location: Location | None = None
+        self._location: Commit | None = None
         self._layout: Layout | None = None
         self._plans: list[TensorPlan] = []
         self._backend = ""
@@ -189,7 +189,8 @@ class StorageWriter(storage.StorageWriter):
         # DCP's ranks write at once: never a chunk shared between ranks
         chunks = self._layout_of_shards.chunk_plans(tensor_plans, self.chunk_bytes,
                                                     always_aligned=True)
-        location = Location.create(self.path)
+        location = Commit.at(self.path, directory=True)
+        location.make_directory()
         try:
             self._layout_of_shards.prepare(location.work, tensor_plans, chunks, self.compression)
         except BaseException:

@@ -26,12 +26,12 @@ import numpy as np
 import zarr
 
 from ...chunking import DEFAULT_CHUNK_BYTES, plan_chunks
-from ...distributed.location import is_url, storage_options_for
 from ...distributed.plan import TensorPlan
 from ...distributed.shard_spec import Box, ChunkPlan, aligned_chunks
 from ...errors import CheckpointError
 from ...metadata import tensor_attrs
 from ...naming import node_name
+from ..commit import is_url, storage_options_for
 from ..sharded_layout import RankShardWriter, ShardedLayout, write_box
 from .compat import (
     consolidated_group_document,

@@ -4,8 +4,8 @@ Object stores cannot rename a prefix, so the store is written in place under a n
 committed by its last write: the root ``zarr.json`` with consolidated metadata and
 ``complete: true``. Until then the root says incomplete and every reader refuses it; an
 interrupted upload stays refused. The prefix must not exist (a save never overwrites); on an
-error the prefix is removed. The commit protocol is the sharded save's
-(:class:`lean_store.distributed.location.Location`), with one writer.
+error the prefix is removed. The commit is :meth:`lean_store.stores.commit.Commit.url`, as for
+sharded saves.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import zarr
 from zarr.storage import FsspecStore
 
-from ...distributed.location import Location, storage_options_for
 from ..base import StoreWriter
+from ..commit import storage_options_for
 from .store import ZarrWriter, compressors_for
 
 
@@ -33,26 +33,15 @@ class ZarrURLWriter(ZarrWriter):
 
     def __init__(self, url: str, *, chunk_bytes: int, compression: Any = None,
                  storage_options: dict[str, Any] | None = None) -> None:
-        StoreWriter.__init__(self, url, chunk_bytes=chunk_bytes, compression=compression)
+        # a URL commit: refuses an existing prefix; an abort removes everything under it
+        StoreWriter.__init__(self, url, chunk_bytes=chunk_bytes, compression=compression,
+                             storage_options=storage_options)
         self.url = url
         self._compressors = compressors_for(compression)
-        self._location = Location.create(url, storage_options)  # refuses an existing prefix
+        # no cleanup if this fails: a failure here may mean another writer took the prefix
         store = open_url_store(url, storage_options, read_only=False)
         self._group = zarr.open_group(store=store, mode="w-", zarr_format=3)
         self._direct_root = None  # no local files: every chunk goes through zarr
-
-    def commit(self, root_attrs: dict[str, Any]) -> None:
-        """The root ``zarr.json`` with ``complete`` is the last write: the commit."""
-        self._finish(root_attrs)
-        self._location.commit()
-        self._done = True
-
-    def abort(self) -> None:
-        """Remove everything written under the prefix (best effort)."""
-        if self._done:
-            return
-        self._done = True
-        self._location.abort()
 
 
 __all__ = ["ZarrURLWriter", "open_url_store"]

@@ -1,0 +1,314 @@
+"""How every writer publishes what it wrote: one commit, for local paths and for URLs.
+
+A writer asks for a commit, writes into :attr:`Commit.work`, then calls :meth:`Commit.commit`
+(or :meth:`Commit.abort`; leaving a ``with`` block without committing aborts). Two kinds:
+
+- :meth:`Commit.local`: ``work`` is a hidden temporary sibling ``.NAME.lean_store-tmp-<hex>``
+  (a file, or a directory tree). The commit fsyncs every file and directory of it, checks once
+  more what the target holds (:mod:`lean_store.stores.target`), moves it into place atomically
+  (files: one ``rename``; directories: one ``renameat2(RENAME_EXCHANGE)``, then the old tree,
+  swapped out to the temporary name, is removed), and fsyncs the parent directory. A crash at
+  any point leaves the previous content whole at the target (docs/SECURITY.md).
+- :meth:`Commit.url` (fsspec URLs, Zarr stores only): object stores cannot rename a prefix, so
+  ``work`` is the final URL, which must not exist yet; the writer's last write, the root
+  ``zarr.json`` carrying ``complete``, is the commit marker. Until it is written every reader
+  refuses the store; an abort removes everything under the prefix.
+
+Used by the single-process stores (:class:`lean_store.stores.base.StoreWriter`), sharded saves
+(:mod:`lean_store.distributed.sharded_save`, :mod:`lean_store.interop.dcp`) and the interop
+writers (safetensors, ``.pt``, TorchLean).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import sys
+import uuid
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from ..errors import CheckpointError, SaveIOError
+from . import fs_sync
+from .target import FileKind, check_file_kind, check_replaceable
+
+STORAGE_OPTIONS = {"auto_mkdir": True}  # fsspec options for file:// and local:// URLs
+
+
+def is_url(path: Any) -> TypeGuard[str]:
+    """An fsspec URL (``s3://bucket/run/step.zarr``, ``file:///...``): Zarr checkpoints only."""
+    return isinstance(path, str) and "://" in path
+
+
+def storage_options_for(url: str, given: dict[str, Any] | None = None) -> dict[str, Any]:
+    """fsspec options for ``url``: ``given`` (endpoint, keys, ...) or, by default, none beyond
+    creating local directories; s3fs then reads the standard AWS environment variables
+    (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ...)."""
+    if given is not None:
+        return dict(given)
+    return dict(STORAGE_OPTIONS) if url.startswith(("file:", "local:")) else {}
+
+
+class Commit(ABC):
+    """Where a writer writes (:attr:`work`) and how that becomes visible at :attr:`target`."""
+
+    target: str | Path  # what the caller asked for; errors name it, never the temporary
+    work: str  # the path or URL to write into
+    committed: bool = False
+
+    @staticmethod
+    def local(path: str | os.PathLike, *, directory: bool, kind: FileKind | None = None
+              ) -> LocalCommit:
+        """A commit to a local path; ``directory``: the output is a directory tree (else one
+        file). ``kind``: the interop file kind that may be replaced (else only a lean_store
+        checkpoint may be, :func:`~lean_store.stores.target.check_replaceable`)."""
+        return LocalCommit(Path(path), directory=directory, kind=kind)
+
+    @staticmethod
+    def url(url: str, storage_options: dict[str, Any] | None = None) -> URLCommit:
+        """A commit to an fsspec URL prefix that must not exist yet."""
+        return URLCommit(url, storage_options)
+
+    @staticmethod
+    def at(path: str | os.PathLike, *, directory: bool,
+           storage_options: dict[str, Any] | None = None) -> Commit:
+        """:meth:`url` for a URL, else :meth:`local`."""
+        if is_url(path):
+            return Commit.url(path, storage_options)
+        return Commit.local(path, directory=directory)
+
+    def make_directory(self) -> None:  # noqa: B027 - a URL prefix needs no directory
+        """Create :attr:`work` as an empty directory, for writers that write files into it
+        without creating it (local: the temporary sibling; a URL: nothing to create)."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make what was written at :attr:`work` visible at :attr:`target`, durably."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Remove what was written; the target keeps what it had. Never raises for a
+        removal that fails (it must not mask the error that led to the abort)."""
+
+    def __enter__(self) -> Commit:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        """Abort unless committed; an operating system's refusal inside the block (a full
+        disk, a read-only file system) becomes a :class:`SaveIOError` naming the target."""
+        if not self.committed:
+            self.abort()
+        if refused_by_os(exc):
+            raise SaveIOError.wrapping(self.target, exc) from exc
+
+
+class LocalCommit(Commit):
+    """A hidden temporary sibling, renamed (or exchanged) into place."""
+
+    target: Path
+
+    def __init__(self, path: Path, *, directory: bool, kind: FileKind | None = None) -> None:
+        self.target = path
+        self.directory = directory
+        self.kind = kind
+        if not path.parent.is_dir():
+            raise CheckpointError(f"cannot save to {path}: directory {path.parent} does not exist")
+        self._check()  # before any byte is written; again just before the rename
+        self.work_path = path.with_name(f".{path.name}.lean_store-tmp-{uuid.uuid4().hex}")
+        self.work = str(self.work_path)
+        self._aborted = False
+
+    def _check(self) -> None:
+        if self.kind is None:
+            check_replaceable(self.target, directory=self.directory)
+        else:
+            check_file_kind(self.target, self.kind)
+
+    def make_directory(self) -> None:
+        try:
+            self.work_path.mkdir()
+        except OSError as exc:
+            raise SaveIOError.wrapping(self.target, exc) from exc
+
+    def commit(self) -> None:
+        if self.committed or self._aborted:
+            raise CheckpointError(f"the save to {self.target} was already "
+                                  f"{'committed' if self.committed else 'aborted'}")
+        try:
+            fsync_tree(self.work_path)
+            _publish(self.work_path, self.target, self._check)
+        except OSError as exc:
+            if not refused_by_os(exc):
+                raise
+            raise SaveIOError.wrapping(self.target, exc) from exc
+        self.committed = True
+
+    def abort(self) -> None:
+        if self.committed:
+            return
+        self._aborted = True
+        discard_temporary(self.work_path)
+
+
+class URLCommit(Commit):
+    """A new URL prefix, written in place; the writer's last write is the commit marker."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.target = url
+        self.work = url
+        self.storage_options = storage_options
+        fs, root = url_fs(url, storage_options)
+        if fs.exists(root):
+            raise CheckpointError(
+                f"{url} exists: a save to a URL never overwrites; use a new prefix per step"
+            )
+
+    def commit(self) -> None:
+        """Nothing to move: the marker the writer wrote last (the root ``zarr.json`` with
+        ``complete``) made the store valid. Only an abort is ruled out from here on."""
+        self.committed = True
+
+    def abort(self) -> None:
+        if self.committed:
+            return
+        try:
+            fs, root = url_fs(self.work, self.storage_options)
+            fs.rm(root, recursive=True)
+        except (FileNotFoundError, OSError):  # best effort: never masks the first error
+            pass
+
+
+def url_fs(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path within it."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **storage_options_for(url, storage_options))
+    return fs, root
+
+
+# ----------------------------------------------------------------------- local file system
+
+
+def replace_atomically(tmp: Path, target: Path) -> None:
+    """Move the fsynced ``tmp`` to ``target`` as a commit does (see :class:`LocalCommit`).
+    Whatever is at ``target`` must be a lean_store checkpoint or an empty directory
+    (:func:`lean_store.stores.target.check_replaceable`); anything else is left untouched."""
+    _publish(tmp, target, lambda: check_replaceable(target, directory=tmp.is_dir()))
+
+
+def _publish(tmp: Path, target: Path, check: Any) -> None:
+    """``check()`` what is at ``target``, then move ``tmp`` there atomically and make the move
+    durable. Directories: one exchange, then the old tree (now at ``tmp``) is removed. Where
+    the exchange is unsupported the old tree is renamed aside first
+    (``.NAME.lean_store-old-*``): a crash between the two renames leaves no checkpoint at
+    ``target`` (see docs/SECURITY.md)."""
+    check()
+    if tmp.is_dir() and target.exists():
+        if _exchange(tmp, target):
+            _fsync_dir(target.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        old = target.with_name(f".{target.name}.lean_store-old-{uuid.uuid4().hex}")
+        os.rename(target, old)
+        os.rename(tmp, target)
+        _fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.replace(tmp, target)
+    _fsync_dir(target.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync a file, or every file and directory of a tree. In a tree, a file with more than
+    one name is skipped: lean_store writes each file of a new tree once, under one name, so a
+    second name is an incremental step's hard link to a committed checkpoint's file, whose
+    data was made durable when that checkpoint was committed; the new name itself is made
+    durable with the directories. The directories' entries are made durable by one
+    ``syncfs`` where the platform has it (one journal commit instead of one per directory;
+    :mod:`.fs_sync`), else by an fsync of each directory."""
+    if path.is_dir():
+        dirs = []
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                file = os.path.join(root, name)
+                if os.lstat(file).st_nlink == 1:
+                    _fsync(Path(file))
+            dirs.append(Path(root))
+        if not fs_sync.syncfs(path):
+            for directory in dirs:
+                _fsync_dir(directory)
+    else:
+        _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, link or tree if it exists (a tree: as much of it as can be removed)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def discard_temporary(path: Path) -> None:
+    """Best-effort removal of a temporary after a failure: never masks the first error."""
+    try:
+        remove_path(path)
+    except OSError:
+        pass
+
+
+def refused_by_os(exc: BaseException) -> TypeGuard[OSError]:
+    """An OSError carrying an errno (the operating system's refusal), not already ours."""
+    return (isinstance(exc, OSError) and isinstance(exc.errno, int)
+            and not isinstance(exc, CheckpointError))
+
+
+__all__ = [
+    "Commit", "LocalCommit", "URLCommit", "discard_temporary", "fsync_tree", "is_url",
+    "refused_by_os", "remove_path", "replace_atomically", "storage_options_for", "url_fs",
+]
