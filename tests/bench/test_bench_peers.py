@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
+from tool_runner import ROOT, run_tool
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "bench" / "peers.py"
 
 
 def test_quick_run_prints_every_peer(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("safetensors")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--workload", "tiny", "--workload", "big",
-         "--dir", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
+    done = run_tool("bench/peers.py", "--quick", "--workload", "tiny", "--workload", "big",
+                    "--dir", tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     for peer in ("lean_store hdf5", "lean_store zarr", "safetensors", "torch.save",
@@ -34,11 +27,11 @@ def test_quick_run_prints_every_peer(tmp_path: Path) -> None:
 
 
 def test_per_tensor_cost_recovers_a_known_slope() -> None:
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import peers
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    # the script loaded from its file (not from sys.path): its fit, without running it
+    spec = importlib.util.spec_from_file_location("tools_bench_peers", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
     points = [(n, b, 0.01 + 2e-4 * n + 1e-9 * b)
               for n, b in ((10, 1000), (100, 5_000_000), (1000, 20_000), (128, 500_000_000))]
     assert peers.per_tensor_cost(points) == pytest.approx(2e-4)

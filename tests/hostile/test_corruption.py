@@ -2,36 +2,40 @@
 
 Every flip must be detected by ``verify``/``load_state`` with a typed ``CheckpointError``, or be
 proven harmless: the checkpoint still loads and its bits equal the original ones exactly. A
-crash, hang, untyped error or silently different data fails. Cases run in a guarded worker
-process (tools/fuzz_soak.py). Run with ``-s`` to see the table of outcomes.
+crash, hang, untyped error or silently different data fails. Cases are checked by
+``tools/fuzz_soak.py --check`` in its guarded worker process. Run with ``-s`` to see the table
+of outcomes.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
-import sys
 from collections import Counter
 from pathlib import Path
 
 import h5py
+import ml_dtypes
 import numpy as np
 import pytest
+from tool_runner import run_tool
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-import fuzz_soak  # noqa: E402
-
-import lean_store as ls  # noqa: E402
+import lean_store as ls
 
 FLIPS = {"chunk data": 40, "metadata": 50, "attributes": 30}
 
 
-@pytest.fixture(scope="module")
-def worker():
-    w = fuzz_soak.Worker()
-    yield w
-    w.close()
+def _state() -> dict[str, np.ndarray]:
+    """Several formats, several chunks each at chunk_bytes=1024."""
+    rng = np.random.default_rng(0)
+    return {
+        "w": rng.standard_normal((40, 24)).astype(np.float32),
+        "bf": rng.standard_normal((30, 7)).astype(ml_dtypes.bfloat16),
+        "i": rng.integers(-1000, 1000, 90).astype(np.int64),
+        "c": (rng.standard_normal(20) + 1j).astype(np.complex128),
+        "s": np.float64(1.5) * np.ones(()),
+    }
 
 
 def _text(value: str | bytes) -> bytes:
@@ -92,32 +96,36 @@ def _flip(file: Path, offset: int, rng: random.Random) -> str:
     return what
 
 
-def test_every_flip_is_detected_or_harmless(tmp_path, backend, suffix, worker):
+def test_every_flip_is_detected_or_harmless(tmp_path, backend, suffix):
     original = tmp_path / f"orig{suffix}"
-    ls.save(fuzz_soak.make_state(), original, chunk_bytes=1024)
-    want = fuzz_soak.digest(ls.load_state(original))
+    ls.save(_state(), original, chunk_bytes=1024)
     regions = (_hdf5_regions if backend == "hdf5" else _zarr_regions)(original)
     rng = random.Random(1234)
-    table: dict[str, Counter] = {}
-    harmless: list[str] = []
-    failures: list[str] = []
+    cases: dict[str, tuple[str, str]] = {}  # case path -> (kind, where and what was flipped)
     for kind, count in FLIPS.items():
         assert regions[kind], f"no {kind} bytes found"
-        table[kind] = Counter()
-        for _case in range(count):
+        for _ in range(count):
             file, offset = rng.choice(regions[kind])
-            path = tmp_path / f"case{suffix}"
-            fuzz_soak.copy_checkpoint(original, path)
+            path = tmp_path / f"case-{len(cases)}{suffix}"
+            (shutil.copytree if original.is_dir() else shutil.copyfile)(original, path)
             target = path / file.relative_to(original) if path.is_dir() else path
             what = _flip(target, offset, rng)
-            verdict = fuzz_soak.classify(worker.check(path), want)
-            table[kind][verdict] += 1
-            where = f"{kind} {file.name if file == original else file.relative_to(original)}"
-            if verdict == "harmless":
-                harmless.append(f"{where}@{offset} {what}")
-            elif verdict != "detected":
-                failures.append(f"{where}@{offset} {what}: {verdict}")
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            where = f"{file.name if file == original else file.relative_to(original)}"
+            cases[str(path)] = (kind, f"{kind} {where}@{offset} {what}")
+    done = run_tool("fuzz_soak.py", "--check", *cases, "--original", original)
+    assert done.returncode == 0, done.stderr
+    verdicts = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [v["case"] for v in verdicts] == list(cases)  # every case, in order
+    table: dict[str, Counter] = {kind: Counter() for kind in FLIPS}
+    harmless: list[str] = []
+    failures: list[str] = []
+    for v in verdicts:
+        kind, flip = cases[v["case"]]
+        table[kind][v["verdict"]] += 1
+        if v["verdict"] == "harmless":
+            harmless.append(flip)
+        elif v["verdict"] != "detected":
+            failures.append(f"{flip}: {v['verdict']}")
     print(f"\n{backend}: " + "; ".join(f"{k}: {dict(v)}" for k, v in table.items()))
     print(f"{backend} harmless flips (loaded bits equal the original): {harmless}")
     assert failures == []
