@@ -2,9 +2,10 @@
 placements through lean_store's own sharded save.
 
 Single-process tests run in pytest's process (DCP without a process group). The distributed
-ones run real worlds of gloo ranks on loopback, like tests/test_distributed.py: this file is run
-as a script once per rank (``python test_dcp_backend.py SCENARIO RANK WORLD PORT DIR``), ranks
-record what they saw in ``DIR/<scenario>-<rank>.json`` and the tests assert on those records.
+ones run real worlds of gloo ranks on loopback, like tests/distributed/test_distributed.py: this
+file is run as a script once per rank (``python test_dcp_backend.py SCENARIO RANK WORLD PORT
+DIR``), ranks record what they saw in ``DIR/<scenario>-<rank>.json`` and the tests assert on
+those records.
 One 4-rank world saves (FSDP2 on 4 ranks, TP + FSDP2 and HSDP on a 2x2 mesh), one 2-rank world
 reshards and loads, and pytest itself loads at 1 process.
 """

@@ -29,7 +29,7 @@ def _save(tmp_path: Path, **kwargs) -> Path:
 
 def _without_manifest(path: Path) -> Path:
     """As lean_store wrote files before the root manifest: each dataset's attributes are
-    then what the reader goes by (with a manifest, see tests/test_hdf5_manifest.py)."""
+    then what the reader goes by (with a manifest, see tests/stores/test_hdf5_manifest.py)."""
     with h5py.File(path, "r+") as f:
         del f.attrs["manifest"]
     return path
