@@ -9,7 +9,7 @@ copies overlap the writes. The buffers come from a :class:`BufferPool` bounded b
 ``buffer_bytes``: peak extra host memory is a few write units, never proportional to the model.
 
 The engine is an interface so the ordering and memory logic is tested on a CPU with a fake
-device (``tests/test_streaming.py``).
+device (``tests/core/test_streaming.py``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A small lean_store reader written only from docs/FORMAT.md, never from the library's source.
 
-It checks that the spec is complete: ``tests/test_spec_reader.py`` reads files lean_store wrote
-through it and compares the bits with what was saved. It imports h5py (HDF5 containers), numpy
-and google_crc32c, and reads Zarr with plain ``json`` and file reads; it must never import
+It checks that the spec is complete: ``tests/interop/test_spec_reader.py`` reads files lean_store
+wrote through it and compares the bits with what was saved. It imports h5py (HDF5 containers),
+numpy and google_crc32c, and reads Zarr with plain ``json`` and file reads; it must never import
 ``lean_store``. Section numbers below are FORMAT.md's.
 """
 

@@ -6,6 +6,11 @@ a crash (the worker dies), a hang (no answer in time) or an unbounded allocation
 be a typed ``CheckpointError`` or the original bits, exactly.
 
     .venv/bin/python tools/fuzz_soak.py --cases 5000            # both backends
+    .venv/bin/python tools/fuzz_soak.py --check --original ORIG CASE...  # given cases
+
+``--allow-hangs`` counts a case that makes libhdf5 hang (stopped by the timeout) as
+``timeout guard`` instead of a failure: ``verify(isolate=True)`` turns such a hang into a
+reported problem (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -146,8 +151,11 @@ class Worker:
             self.proc = None
 
 
-def classify(result: dict, original: str) -> str:
-    """'detected' (typed error), 'harmless' (original bits), or a failure description."""
+def classify(result: dict, original: str, allow_hangs: bool = False) -> str:
+    """'detected' (typed error), 'harmless' (original bits), 'timeout guard' (a hang, where
+    allowed), or a failure description."""
+    if allow_hangs and "hang" in result:
+        return "timeout guard"
     if "crash" in result or "hang" in result:
         return "FAIL " + result.get("crash", result.get("hang", ""))
     if result.get("load") == "ok" and result.get("digest") != original:
@@ -203,12 +211,13 @@ def mutate(path: Path, rng: random.Random) -> str:
     return f"{what} {rel}@{i}"
 
 
-def soak(backend: str, cases: int, seed: int = 0) -> tuple[Counter, list[str]]:
+def soak(backend: str, cases: int, seed: int = 0, allow_hangs: bool = False,
+         timeout: float = TIMEOUT) -> tuple[Counter, list[str]]:
     import lean_store as ls
 
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix=f"fuzz-{backend}-"))
-    worker = Worker()
+    worker = Worker(timeout=timeout)
     counts: Counter = Counter()
     failures: list[str] = []
     try:
@@ -220,7 +229,7 @@ def soak(backend: str, cases: int, seed: int = 0) -> tuple[Counter, list[str]]:
             path = work / f"case{case}{SUFFIX[backend]}"
             copy_checkpoint(original, path)
             done = [mutate(path, rng) for _ in range(rng.choice([1, 1, 1, 2, 3]))]
-            verdict = classify(worker.check(path), want)
+            verdict = classify(worker.check(path), want, allow_hangs)
             counts[verdict] += 1
             if verdict.startswith("FAIL"):
                 failures.append(f"{backend} case {case} {done}: {verdict}")
@@ -231,6 +240,20 @@ def soak(backend: str, cases: int, seed: int = 0) -> tuple[Counter, list[str]]:
     return counts, failures
 
 
+def check_cases(original: Path, cases: list[Path], allow_hangs: bool, timeout: float) -> None:
+    """Print one JSON line per case: its path and its verdict against ``original``."""
+    import lean_store as ls
+
+    want = digest(ls.load_state(original))
+    worker = Worker(timeout=timeout)
+    try:
+        for case in cases:
+            verdict = classify(worker.check(case), want, allow_hangs)
+            print(json.dumps({"case": str(case), "verdict": verdict}), flush=True)
+    finally:
+        worker.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -238,14 +261,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=2000, help="cases per backend")
     parser.add_argument("--backend", choices=("hdf5", "zarr", "both"), default="both")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--allow-hangs", action="store_true",
+                        help="count a hang stopped by the timeout as 'timeout guard', not failed")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per case")
+    parser.add_argument("--check", nargs="+", type=Path, metavar="CASE",
+                        help="check these checkpoints (no mutation) against --original and "
+                             "print one JSON line each")
+    parser.add_argument("--original", type=Path, help="the unmutated checkpoint, for --check")
     args = parser.parse_args(argv)
     if args.serve:
         serve(args.memory_limit)
         return 0
+    if args.check:
+        if args.original is None:
+            parser.error("--check needs --original")
+        check_cases(args.original, args.check, args.allow_hangs, args.timeout)
+        return 0
     failed = False
     for backend in ("hdf5", "zarr") if args.backend == "both" else (args.backend,):
         start = time.perf_counter()
-        counts, failures = soak(backend, args.cases, args.seed)
+        counts, failures = soak(backend, args.cases, args.seed, args.allow_hangs,
+                                args.timeout)
         print(f"{backend}: {sum(counts.values())} cases in {time.perf_counter() - start:.1f} s")
         for verdict, n in sorted(counts.items()):
             print(f"  {n:6d}  {verdict}")

@@ -10,7 +10,7 @@ them (what HDF5's deflate filter inflates; each byte plane deflated, or stored w
 compress, see :func:`deflate_planes`), then Fletcher-32 as HDF5 appends it. The deflate runs in a
 small thread pool (zlib releases the GIL); chunks go into the file in order, with
 ``H5Dwrite_chunk`` and filter mask 0 (every filter applied), from the writing thread. HDF5 and
-every HDF5 tool read them through their own pipeline; ``tests/test_compression_weights.py``
+every HDF5 tool read them through their own pipeline; ``tests/core/test_compression_weights.py``
 checks the bytes against HDF5's own filters.
 """
 

@@ -6,7 +6,7 @@ zarr-python's ``zarr.core`` and its codecs' private methods change between minor
 instead of reaching into zarr: what an array's chunk grid, chunk keys and codecs are is read
 from the array's metadata document (``zarr.json``, defined by the Zarr v3 spec and stable across
 releases); the internals below are probed once and replaced by stock public zarr API where the
-installed release lacks them. ``tests/test_zarr_compat.py`` checks both paths.
+installed release lacks them. ``tests/stores/test_zarr_compat.py`` checks both paths.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def plain_array_document(
     (codecs ``bytes`` little endian + ``crc32c``, optionally inside ``sharding_indexed`` with a
     ``bytes`` + ``crc32c`` index at the end; fill value 0; the default chunk key encoding), as
     plain JSON values in zarr's key order; None for a data type it does not describe (then
-    ``create_array`` is used). ``tests/test_zarr_fast_metadata.py`` checks it equals zarr's for
-    every format lean_store stores."""
+    ``create_array`` is used). ``tests/stores/test_zarr_fast_metadata.py`` checks it equals
+    zarr's for every format lean_store stores."""
     dtype = np.dtype(dtype)
     if type(dtype).__module__ != "numpy.dtypes" or dtype.kind not in "biufc" \
             or dtype.byteorder == ">":

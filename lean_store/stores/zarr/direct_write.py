@@ -14,7 +14,7 @@ caller's buffer with no copy:
   ``(offset, nbytes)`` pair of little-endian uint64 per chunk (``2**64-1`` twice for a chunk
   outside the array), then the index's own CRC-32C.
 
-``tests/test_zarr_crc.py`` checks the files are identical to zarr's for aligned, edge and
+``tests/stores/test_zarr_crc.py`` checks the files are identical to zarr's for aligned, edge and
 sharded arrays, and that stock ``zarr.open_group`` reads them.
 """
 

@@ -1,0 +1,168 @@
+"""Checkpointer: step listing, keep-last-N, restore, and writers killed mid-save."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from torch_optional import require_torch
+
+import lean_store as ls
+
+torch = require_torch()
+
+
+def _run(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _step(model, opt):
+    opt.zero_grad()
+    model(torch.randn(6, 4)).pow(2).mean().backward()
+    opt.step()
+
+
+def test_keep_last_and_latest(tmp_path, backend):
+    model, opt = _run()
+    ck = ls.Checkpointer(tmp_path / "run", keep_last=2, backend=backend)
+    assert ck.steps() == [] and ck.latest() is None
+    for step in (1, 2, 5, 10, 11):
+        _step(model, opt)
+        path = ck.save(step, model=model, optimizer=opt, extra={"loss": step / 10})
+        assert path.exists() and ck.latest() == step
+    assert ck.steps() == [10, 11]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        ck.path(10).name, ck.path(11).name
+    ]  # nothing else: no temporaries, no pruned steps
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh, fresh_opt = _run(seed=1)
+    info = ck.restore(model=fresh, optimizer=fresh_opt)
+    assert info.step == 11 and info.extra == {"loss": 1.1}
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+    assert ck.restore(10, model=fresh).step == 10
+    with pytest.raises(ls.CheckpointError, match="no committed checkpoint for step 5"):
+        ck.restore(5, model=fresh)
+    with pytest.raises(ls.CheckpointError, match="already exists"):
+        ck.save(11, model=model, optimizer=opt)
+    ck.save(11, model=model, optimizer=opt, overwrite=True)
+    assert ck.steps() == [10, 11]
+
+
+def test_unbounded_and_bad_arguments(tmp_path):
+    model, opt = _run()
+    _step(model, opt)
+    ck = ls.Checkpointer(tmp_path, backend="hdf5")
+    for step in range(4):
+        ck.save(step, model=model)
+    assert ck.steps() == [0, 1, 2, 3]
+    with pytest.raises(ls.CheckpointError):
+        ls.Checkpointer(tmp_path, keep_last=0)
+    with pytest.raises(ls.CheckpointError):
+        ls.Checkpointer(tmp_path, backend="pickle")
+    with pytest.raises(ls.CheckpointError, match="step"):
+        ck.save(-1, model=model)
+    with pytest.raises(ls.CheckpointError, match="no committed"):
+        ls.Checkpointer(tmp_path / "empty").restore(model=model)
+    # a stray file that only looks like a step is not listed
+    (tmp_path / "step_7.h5.partial").write_bytes(b"x")
+    (tmp_path / ".step_0000000009.h5.lean_store-tmp-0123abcd").write_bytes(b"x")
+    assert ck.steps() == [0, 1, 2, 3]
+
+
+_CHILD = textwrap.dedent("""
+    import sys, time
+    import torch
+    import lean_store as ls
+    import lean_store.writing as core
+
+    directory, backend, marker = sys.argv[1], sys.argv[2], sys.argv[3]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])  # 8 MiB
+    ck = ls.Checkpointer(directory, backend=backend)
+    ck.save(1, model=model)
+    calls = [0]
+    original = core.crc32c_of
+
+    def stall(bits, crc=0):  # hang in the middle of the second save, after data was written
+        calls[0] += 1
+        if calls[0] == 6:
+            open(marker, "w").close()
+            time.sleep(600)
+        return original(bits, crc)
+
+    core.crc32c_of = stall
+    ck.save(2, model=model)
+""")
+
+
+def _wait_for(predicate, proc, limit=120.0):
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"child exited early: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("child never reached the point to be killed")
+        time.sleep(0.02)
+
+
+def test_writer_killed_mid_save_is_never_listed(tmp_path, backend):
+    directory, marker = tmp_path / "run", tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(directory), backend, str(marker)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for(marker.exists, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".")]
+    assert len(leftovers) == 1 and ".lean_store-tmp-" in leftovers[0]  # killed mid-save
+    ck = ls.Checkpointer(directory, backend=backend)
+    assert ck.steps() == [1] and ck.latest() == 1
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    assert ck.restore(model=model).step == 1
+    ck.save(3, model=model)  # the next save clears what the killed writer left behind
+    assert ck.steps() == [1, 3]
+    assert not [p for p in directory.iterdir() if p.name.startswith(".")]
+
+
+_LOOP = textwrap.dedent("""
+    import sys
+    import torch
+    import lean_store as ls
+
+    directory, backend = sys.argv[1], sys.argv[2]
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    ck = ls.Checkpointer(directory, keep_last=2, backend=backend)
+    step = 0
+    while True:
+        step += 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(step)
+        ck.save(step, model=model)
+""")
+
+
+def test_writer_killed_at_any_moment_leaves_only_whole_steps(tmp_path, backend):
+    directory = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", _LOOP, str(directory), backend],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ck = ls.Checkpointer(directory, backend=backend)
+    _wait_for(lambda: (ck.latest() or 0) >= 3, proc)
+    os.kill(proc.pid, signal.SIGKILL)  # wherever it is: writing, committing or pruning
+    proc.wait()
+    steps = ck.steps()
+    assert steps and steps[-1] >= 3
+    for step in steps:
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+        assert ck.restore(step, model=model).step == step
+        assert all(bool((p == step).all()) for p in model.parameters())
+        with ls.open(ck.path(step)) as opened:
+            opened.verify()
