@@ -28,7 +28,7 @@ from ...layout import Entry
 from ...metadata import tensor_attrs
 from ...naming import node_name
 from ...replacement import PinnedRoot, check_unchanged
-from ..base import Selection, StoredTensor
+from ..base import ChunkProblem, Selection, StoredTensor
 from .store import HDF5Reader, HDF5Writer, from_hdf5_attr, to_hdf5_attr
 from .types import hdf5_type, storage_kind
 
@@ -115,13 +115,21 @@ class ShardedHDF5Reader(HDF5Reader):
                 self._pin.close()
             raise
         self._sources: dict[str, HDF5Reader] = {}
+        self._virtual_maps: dict[str, list[tuple[Box, str, str]]] = {}
 
     def check_current(self) -> None:
         check_unchanged(self._pin, str(self.directory))
 
     def read(self, node: str, selection: Any, fmt: Any, out: Any = None) -> Any:
+        """Raw words of ``selection``: from the one shard file that holds all of it where one
+        does (that file's chunk_crc32c table checks each chunk; no virtual-dataset mapping),
+        else through the master's virtual dataset (fletcher32 of the shard files checks)."""
         try:
-            words = super().read(node, selection, fmt, out)
+            words = None
+            if all(step == 1 for step in selection.step):
+                words = self.read_shard_region(node, selection.slices(), fmt, out)
+            if words is None:
+                words = super().read(node, selection, fmt, out)
         except IntegrityError:
             self.check_current()  # a shard file deleted by a save replacing the directory
             raise
@@ -162,16 +170,37 @@ class ShardedHDF5Reader(HDF5Reader):
         """Raw words of ``region`` (global coordinates) read straight from the one shard file
         holding all of it, with that file's chunk checks; None when ``node`` is not virtual or
         no single shard holds the region (read through the master then)."""
-        ds = self._dataset(node)
-        dcpl = ds.id.get_create_plist()
-        if dcpl.get_layout() != h5d.VIRTUAL:
-            return None
         want = Box(tuple(s.start for s in region), tuple(s.stop - s.start for s in region))
-        for box, fname, dset in self._mappings(node, dcpl, tuple(ds.shape)):
+        if want.empty:
+            return None
+        for box, fname, dset in self._virtual(node):
             if box.intersect(want) == want:
                 return self._source(fname).read(
                     dset.lstrip("/"), Selection.of_region(box.local(region)), fmt, out)
         return None
+
+    def structure_problems(self, node: str) -> list[ChunkProblem]:
+        """A virtual dataset: the problems of each shard file's source dataset, named by it."""
+        mappings = self._virtual(node)
+        if not mappings:
+            return super().structure_problems(node)
+        problems: list[ChunkProblem] = []
+        for _box, fname, dset in mappings:
+            for chunk, message in self._source(fname).structure_problems(dset.lstrip("/")):
+                where = f"{fname}:{dset}" + ("" if chunk is None else f" chunk {chunk}")
+                problems.append((None, f"{where}: {message}"))
+        return problems
+
+    def _virtual(self, node: str) -> list[tuple[Box, str, str]]:
+        """The mappings of virtual dataset ``node`` (parsed once); [] for any other dataset."""
+        found = self._virtual_maps.get(node)
+        if found is None:
+            ds = self._dataset(node)
+            dcpl = ds.id.get_create_plist()
+            found = [] if dcpl.get_layout() != h5d.VIRTUAL else self._mappings(
+                node, dcpl, tuple(ds.shape))
+            self._virtual_maps[node] = found
+        return found
 
     def _mappings(self, node: str, dcpl: Any, shape: tuple[int, ...]
                   ) -> list[tuple[Box, str, str]]:
