@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable, Generator, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,10 +15,12 @@ import numpy as np
 
 from .chunking import (
     DEFAULT_CHUNK_BYTES,
+    Region,
     iter_regions,
     plan_chunks,
     splits_into_row_blocks,
 )
+from .distributed.sharded_read import StoredShard, stored_shards
 from .encoded import Encoded
 from .errors import CheckpointError, CheckpointReplacedError, FormatError, IntegrityError
 from .formats import ScalarFormat, get
@@ -28,7 +30,7 @@ from .layout import Difference, Entry, Layout, layout_error, stored_rank_shape
 from .metadata import check_stored, parse_root
 from .progress import make_progress
 from .sources import TargetTensor, tensor_source, tensor_targets
-from .stores.base import Selection, StoredTensor
+from .stores.base import ChunkProblem, Selection, StorageDescription, StoredTensor
 from .stores.registry import open_reader
 from .writing import OVERLAP_CRC_BYTES, write_source
 
@@ -149,7 +151,8 @@ class TensorHandle:
         return self.entry.nbytes
 
     def bits(self, key: Any = ...) -> np.ndarray:
-        """Raw words of ``self[key]`` (complex formats: trailing axis of 2)."""
+        """Raw words of ``self[key]`` (complex formats: trailing axis of 2); every chunk the
+        slice touches is checked against its checksum (the whole-tensor digest is not)."""
         index = basic_index(key, self.shape)
         words = self._ck._reader.read(self.stored.node, index.selection, self.format)
         return index.finish(words, self.format.words_per_value == 2)
@@ -158,8 +161,8 @@ class TensorHandle:
         return as_values(self.bits(key), self.format)
 
     def read(self) -> np.ndarray | Encoded:
-        """The whole tensor, with its crc32c digest verified."""
-        return as_values(self._ck._read_verified(self.entry), self.format)
+        """The whole tensor, every chunk checksum and its digest verified."""
+        return self._ck.read(self.name)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         values = self.read()
@@ -189,8 +192,18 @@ def as_values(words: np.ndarray, fmt: ScalarFormat) -> np.ndarray | Encoded:
     return words.view(dtype)
 
 
+OnError = Callable[[Region | None, CheckpointError], None]
+"""``blocks(on_error=...)``: called with (the region, the error) for a block that fails its
+checks, or (None, the error) for a digest mismatch; the stream then goes on."""
+
+
 class Checkpoint(Mapping[str, TensorHandle]):
-    """A read-only, validated view of a checkpoint. Use as a context manager."""
+    """A read-only, validated view of a checkpoint. Use as a context manager.
+
+    The read interface: :meth:`stored` (how a tensor is stored), :meth:`shards` (its recorded
+    shards), :meth:`describe`, :meth:`blocks` (verified blocks in order), :meth:`read` and
+    :meth:`read_bits` (whole, verified), :meth:`read_region` (a region, chunk-checked) and
+    :meth:`verify`. ``ck[name]`` is a :class:`TensorHandle` for slicing."""
 
     def __init__(self, path: Any, *, backend: str | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
@@ -217,9 +230,8 @@ class Checkpoint(Mapping[str, TensorHandle]):
                 self.root_attrs, str(path), present=lambda: len(self._reader.nodes())
             )
             self._stored = check_stored(self._reader, self.layout, str(path))
-            from .distributed.sharded_read import stored_shards
-
-            self._shards = stored_shards(self)  # {} unless saved by lean_store.distributed
+            # {} unless saved by lean_store.distributed
+            self._shards = stored_shards(self.root_attrs, self.layout, self._stored, str(path))
             self._reader.check_current()
         except BaseException as exc:
             replaced = None
@@ -244,143 +256,289 @@ class Checkpoint(Mapping[str, TensorHandle]):
     def __len__(self) -> int:
         return len(self.layout)
 
-    def _read_units(self, entry: Entry) -> Iterator[tuple[Any, Selection]]:
-        shape = stored_rank_shape(entry)
-        chunks = self._stored[entry.name].chunk_shape[: len(shape)]
-        if not splits_into_row_blocks(shape, chunks):
-            chunks = plan_chunks(shape, entry.format.storage_dtype.itemsize, DEFAULT_CHUNK_BYTES)
-        for region in iter_regions(shape, chunks):
-            yield region, Selection.of_region(region)
+    # ------------------------------------------------------------------ what is stored
 
-    def iter_bits(
-        self, entry: Entry, out: np.ndarray | None = None, *, reuse: bool = False
-    ) -> Iterator[tuple[Any, np.ndarray]]:
-        """Raw words region by region in C order; the digest is checked after the last one.
-        A sharded tensor comes shard by shard instead, each shard's digest checked.
-        ``out`` (stored shape, storage dtype): each region is read straight into it.
-        ``reuse``: every region is read into one scratch buffer, valid until the next region
-        (no allocation, no fresh pages per region).
+    def _entry(self, name: str) -> Entry:
+        if name not in self.layout:
+            raise KeyError(name)
+        return self.layout[name]
 
-        Where the store checks every chunk against a per-chunk CRC table (HDF5) and the regions
-        are its chunks, the digest is derived from the table (no second pass over the data)."""
-        if self._shards.get(entry.name):
-            from .distributed.sharded_read import iter_sharded_bits
+    def stored(self, name: str) -> StoredTensor:
+        """How tensor ``name`` is stored: dataset node, attributes, stored and chunk shapes."""
+        self._entry(name)
+        return self._stored[name]
 
-            for region, words in iter_sharded_bits(self, entry, self._shards[entry.name]):
-                if out is not None:
-                    out[region] = words
-                yield region, words
-            return
-        node = self._stored[entry.name].node
-        expected = self._stored[entry.name].attrs.get("crc32c")
-        table = self._reader.chunk_crcs(node) if self._units_are_chunks(entry) else None
-        crc = 0
-        scratch: np.ndarray | None = None
+    def shards(self, name: str) -> list[StoredShard]:
+        """The recorded shards of tensor ``name`` (each with its box, writer rank and digest),
+        validated when the checkpoint was opened; [] unless saved by lean_store.distributed."""
+        self._entry(name)
+        return list(self._shards.get(name, ()))
+
+    def check_region(self, name: str, box: Any) -> None:
+        """Have the store check, before any read, everything a read of ``box`` (a
+        :class:`~lean_store.distributed.Box` of global coordinates) of ``name`` will touch
+        (the shard files' datasets of a sharded HDF5 checkpoint opened with deferred checks)."""
+        self._reader.check_region(self.stored(name).node, box)
+
+    def checked_elsewhere(self, name: str, k: int) -> None:
+        """Shard ``k`` of ``name`` was read whole, its digest and attributes checked, by another
+        process, and every process agreed: the store need not compare its attributes again."""
+        self._reader.checked_elsewhere(self.stored(name).node, self.shards(name)[k].box)
+
+    def describe(self, name: str) -> StorageDescription:
+        """Chunks, codecs, compression and bytes in the store of tensor ``name``."""
+        return self._reader.describe(self.stored(name).node)
+
+    def structure_problems(self, name: str) -> list[ChunkProblem]:
+        """Defects of tensor ``name``'s storage that reading its data would not show (see
+        :meth:`lean_store.stores.base.StoreReader.structure_problems`)."""
+        return self._reader.structure_problems(self.stored(name).node)
+
+    # ------------------------------------------------------------------------- reading
+
+    def read_region(self, name: str, region: Region, out: np.ndarray | None = None
+                    ) -> np.ndarray:
+        """Raw words of ``region`` (slices of the stored shape: ``(1,)`` for a scalar;
+        complex formats: trailing axis of 2), into ``out`` when given. Every chunk it touches
+        is checked against its checksum; the whole-tensor digest is not (see :meth:`blocks`)."""
+        entry = self._entry(name)
+        return self._reader.read(self._stored[name].node, Selection.of_region(region),
+                                 entry.format, out)
+
+    def read_bits(self, name: str) -> np.ndarray:
+        """The whole tensor's raw words, shaped ``shape`` (+ ``(2,)`` for complex formats),
+        every chunk checksum and the digest verified before it is returned."""
+        entry = self._entry(name)
         pair = (2,) if entry.format.words_per_value == 2 else ()
-        if table is not None and hasattr(self._reader, "check_chunk") and _worth_overlap(
-            self._stored[entry.name], entry
-        ):
-            crc = yield from self._iter_checked_ahead(entry, node, table, out, reuse)
-            units: Any = ()
-        else:
-            units = self._read_units(entry)
-        for i, (region, selection) in enumerate(units):
-            into = None if out is None else out[region]
-            if into is None and reuse:
-                n = math.prod(selection.count + pair)
-                if scratch is None or scratch.size < n:
-                    scratch = np.empty(n, entry.format.storage_dtype)
-                into = scratch[:n].reshape(selection.count + pair)
-            words = self._reader.read(node, selection, entry.format, out=into)
-            if table is not None:  # the reader checked this chunk against table[i]
-                crc = crc32c_combine(crc, int(table[i]), words.nbytes)
-            else:
-                crc = crc32c_update(crc, words)
-            yield region, words
-        if expected is not None and crc != expected:
-            self._reader.check_current()  # replaced while read: not damage
-            raise IntegrityError(
-                f"tensor {entry.name!r}: crc32c {crc:#010x} does not match the recorded "
-                f"{expected:#010x}; the checkpoint is corrupt"
-            )
-
-    def _iter_checked_ahead(
-        self, entry: Entry, node: str, table: np.ndarray, out: np.ndarray | None, reuse: bool
-    ) -> Generator[tuple[Any, np.ndarray], None, int]:
-        """Chunk by chunk, each checked against the CRC table in a worker thread while the next
-        chunk is read (crc32c releases the GIL); a chunk is yielded only once checked. With
-        ``reuse``, two scratch buffers alternate. Returns the digest derived from the table."""
-        reader: Any = self._reader
-        pair = (2,) if entry.format.words_per_value == 2 else ()
-        scratch: list[np.ndarray | None] = [None, None]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lean_store-crc-read")
-        crc = 0
-        pending: tuple[Any, np.ndarray, Any] | None = None
-        try:
-            for i, (region, selection) in enumerate(self._read_units(entry)):
-                shape = selection.count + pair
-                if out is not None:
-                    into = out[region]
-                elif reuse:
-                    n = math.prod(shape)
-                    buf = scratch[i % 2]
-                    if buf is None or buf.size < n:
-                        buf = scratch[i % 2] = np.empty(n, entry.format.storage_dtype)
-                    into = buf[:n].reshape(shape)
-                else:
-                    into = np.empty(shape, entry.format.storage_dtype)
-                words = reader.read_unchecked(node, selection, entry.format, into)
-                previous = pending
-                pending = (region, words, self._pool.submit(reader.check_chunk, node, i, words))
-                crc = crc32c_combine(crc, int(table[i]), words.nbytes)
-                if previous is not None:
-                    previous[2].result()  # IntegrityError before the chunk is handed out
-                    yield previous[0], previous[1]
-            if pending is not None:
-                pending[2].result()
-                yield pending[0], pending[1]
-                pending = None
-        finally:
-            if pending is not None:  # no buffer is reused while the worker still reads it
-                pending[2].exception()
-        return crc
-
-    def _units_are_chunks(self, entry: Entry) -> bool:
-        shape = stored_rank_shape(entry)
-        chunks = self._stored[entry.name].chunk_shape
-        return len(chunks) == len(shape) and splits_into_row_blocks(shape, chunks)
-
-    def _read_verified(self, entry: Entry) -> np.ndarray:
-        shape = stored_rank_shape(entry)
-        pair = (2,) if entry.format.words_per_value == 2 else ()
-        out = np.empty(shape + pair, dtype=entry.format.storage_dtype)
+        out = np.empty(stored_rank_shape(entry) + pair, dtype=entry.format.storage_dtype)
         with self._reader.checks_deferred():  # ``out`` is handed out only at the end
-            for _ in self.iter_bits(entry, out=out):  # each region is read in place
+            for _ in self.blocks(name, out=out):  # each block is read in place
                 pass
         return out.reshape(entry.shape + pair)
 
-    def verify(self) -> None:
-        """Read every tensor and check every chunk checksum and digest."""
-        check_metadata = getattr(self._reader, "check_metadata", None)  # Zarr: own zarr.json
-        for entry in self.layout:
-            if check_metadata is not None:
-                check_metadata(self._stored[entry.name].node)
+    def read(self, name: str) -> np.ndarray | Encoded:
+        """The whole tensor ``name`` as values (``Encoded`` where numpy has no dtype), every
+        chunk checksum and the digest verified."""
+        return as_values(self.read_bits(name), self._entry(name).format)
+
+    def blocks(
+        self,
+        name: str,
+        *,
+        block_bytes: int | None = None,
+        unit: tuple[int, ...] | None = None,
+        shard: int | None = None,
+        out: np.ndarray | None = None,
+        reuse: bool = False,
+        on_error: OnError | None = None,
+    ) -> Iterator[tuple[Region, np.ndarray]]:
+        """Raw words of tensor ``name`` block by block, as ``(region, words)`` pairs; a block
+        is handed out only once every chunk in it passed its checksum, and the tensor's
+        crc32c digest is checked after the last block (IntegrityError).
+
+        Blocks are the store's chunks where they split the tensor into row blocks (then each
+        chunk's recorded CRC gives the digest, and big chunks are checked in a worker thread
+        while the next is read), else row blocks of about 64 MiB; ``unit`` (a row-block
+        shape) or ``block_bytes`` choose other row blocks. A sharded tensor comes shard by
+        shard, each shard's digest checked; with ``unit`` or ``block_bytes`` its shards are
+        checked first and the blocks then come in C order. ``shard=k``: shard ``k`` alone.
+        ``out`` (stored shape, storage dtype): each block is read straight into it.
+        ``reuse``: blocks share scratch buffers, valid until the next block.
+        ``on_error``: report a failing block or digest and go on (see :data:`OnError`)."""
+        entry = self._entry(name)
+        shape = stored_rank_shape(entry)
+        shards = self._shards.get(name) or []
+        if shard is not None:
+            if not 0 <= shard < len(shards):
+                raise CheckpointError(f"tensor {name!r} has {len(shards)} recorded shards, "
+                                      f"not a shard {shard}")
+            return self._shard_blocks(entry, shards[shard], out, reuse, on_error)
+        if unit is None and block_bytes is not None:
+            itemsize = entry.format.storage_dtype.itemsize * entry.format.words_per_value
+            unit = plan_chunks(shape, itemsize, block_bytes)
+        if unit is not None and not splits_into_row_blocks(shape, tuple(unit)):
+            raise CheckpointError(f"tensor {name!r}: blocks of {tuple(unit)} are not row blocks "
+                                  f"of its shape {shape}")
+        if shards:
+            return self._sharded_blocks(entry, shards, unit, out, reuse, on_error)
+        return self._tensor_blocks(entry, unit, out, reuse, on_error)
+
+    def iter_bits(
+        self, entry: Entry, out: np.ndarray | None = None, *, reuse: bool = False
+    ) -> Iterator[tuple[Region, np.ndarray]]:
+        """``blocks(entry.name, out=out, reuse=reuse)``."""
+        return self.blocks(entry.name, out=out, reuse=reuse)
+
+    def verify(self, names: Iterable[str] | None = None) -> None:
+        """Read every tensor (or those of ``names``) and check every chunk checksum and
+        digest; IntegrityError at the first problem (:func:`lean_store.verify` lists all)."""
+        for name in self.layout.names() if names is None else names:
+            self._reader.check_metadata(self.stored(name).node)
             with self._reader.checks_deferred():
-                for _ in self.iter_bits(entry, reuse=True):
+                for _ in self.blocks(name, reuse=True):
                     pass
 
-    def to_dask(self, name: str, *, decode: bool | None = None) -> Any:
-        """A lazy dask array of tensor ``name``, chunked like the store (see ``analysis``)."""
-        from .inspection.analysis import to_dask
+    # ------------------------------------------------------- the one verified stream
 
-        return to_dask(self, name, decode=decode)
+    def _tensor_blocks(self, entry: Entry, unit: tuple[int, ...] | None, out: np.ndarray | None,
+                       reuse: bool, on_error: OnError | None
+                       ) -> Iterator[tuple[Region, np.ndarray]]:
+        shape = stored_rank_shape(entry)
+        info = self._stored[entry.name]
+        if unit is None:
+            unit = info.chunk_shape[: len(shape)]
+            if not splits_into_row_blocks(shape, unit):
+                unit = plan_chunks(shape, entry.format.storage_dtype.itemsize,
+                                   DEFAULT_CHUNK_BYTES)
+        unit = tuple(unit)
+        # blocks that are the store's chunks: the digest follows from the chunks' CRCs
+        table = self._reader.chunk_crcs(info.node) if unit == info.chunk_shape else None
+        expected = info.attrs.get("crc32c")
 
-    def to_xarray(self) -> Any:
-        """An ``xarray.Dataset`` of every tensor as lazy dask variables (see ``analysis``)."""
-        from .inspection.analysis import to_xarray
+        def mismatch(crc: int, recorded: int) -> str:
+            return (f"tensor {entry.name!r}: crc32c {crc:#010x} does not match the recorded "
+                    f"{recorded:#010x}; the checkpoint is corrupt")
 
-        return to_xarray(self)
+        overlap = table is not None and _worth_overlap(info, entry)
+        return self._stream(entry, iter_regions(shape, unit), table, expected, mismatch, out,
+                            reuse, on_error, overlap)
+
+    def _shard_blocks(self, entry: Entry, shard: StoredShard, out: np.ndarray | None,
+                      reuse: bool, on_error: OnError | None
+                      ) -> Iterator[tuple[Region, np.ndarray]]:
+        """One shard in its digest order: blocks of its ``unit``, in C order of the shard."""
+        regions = (tuple(slice(s.start + o, s.stop + o) for s, o in zip(local, shard.box.offsets))
+                   for local in iter_regions(shard.box.lengths, shard.unit))
+
+        def mismatch(crc: int, recorded: int) -> str:
+            return (f"tensor {entry.name!r}: shard {shard.box} (written by rank {shard.rank}) "
+                    f"has crc32c {crc:#010x}, the recorded digest is {recorded:#010x}; the "
+                    "checkpoint is corrupt")
+
+        return self._stream(entry, regions, None, shard.crc32c, mismatch, out, reuse, on_error,
+                            False)
+
+    def _sharded_blocks(self, entry: Entry, shards: list[StoredShard],
+                        unit: tuple[int, ...] | None, out: np.ndarray | None, reuse: bool,
+                        on_error: OnError | None) -> Iterator[tuple[Region, np.ndarray]]:
+        if math.prod(stored_rank_shape(entry)) == 0:
+            return
+        if unit is None:
+            for shard in shards:
+                yield from self._shard_blocks(entry, shard, out, reuse, on_error)
+            return
+        for shard in shards:  # every digest first; then the blocks asked for, in C order
+            for _ in self._shard_blocks(entry, shard, None, True, on_error):
+                pass
+        yield from self._stream(entry, iter_regions(stored_rank_shape(entry), unit), None, None,
+                                None, out, reuse, on_error, False)
+
+    def _stream(
+        self,
+        entry: Entry,
+        regions: Iterable[Region],
+        table: np.ndarray | None,
+        expected: int | None,
+        mismatch: Callable[[int, int], str] | None,
+        out: np.ndarray | None,
+        reuse: bool,
+        on_error: OnError | None,
+        overlap: bool,
+    ) -> Iterator[tuple[Region, np.ndarray]]:
+        """The verified read loop every read of a whole tensor or shard goes through.
+
+        Each region is read through the store, which checks every chunk it touches; with
+        ``table`` (the regions are the store's chunks, in order), the digest is combined from
+        the chunks' recorded CRCs, else computed over the words. ``overlap``: chunks are read
+        unchecked and checked against the table in a worker thread while the next is read
+        (crc32c releases the GIL); a chunk is yielded only once checked. Then the digest is
+        compared with ``expected``."""
+        reader = self._reader
+        node = self._stored[entry.name].node
+        fmt = entry.format
+        pair = (2,) if fmt.words_per_value == 2 else ()
+        scratch: list[np.ndarray | None] = [None, None]
+        pool = self._checker() if overlap else None
+        crc, whole = 0, True
+        pending: tuple[Region, np.ndarray, Future[None]] | None = None
+
+        def checked(item: tuple[Region, np.ndarray, Future[None]]) -> bool:
+            try:
+                item[2].result()  # IntegrityError before the chunk is handed out
+            except CheckpointReplacedError:
+                raise
+            except CheckpointError as exc:
+                if on_error is None:
+                    raise
+                on_error(item[0], exc)
+                return False
+            return True
+
+        try:
+            for i, region in enumerate(regions):
+                selection = Selection.of_region(region)
+                count = selection.count + pair
+                into: np.ndarray | None = None
+                if out is not None:
+                    into = out[region]
+                elif reuse:
+                    n = math.prod(count)
+                    k = i % 2 if pool is not None else 0  # two alternate while one is checked
+                    buf = scratch[k]
+                    if buf is None or buf.size < n:
+                        buf = scratch[k] = np.empty(n, fmt.storage_dtype)
+                    into = buf[:n].reshape(count)
+                elif pool is not None:
+                    into = np.empty(count, fmt.storage_dtype)
+                try:
+                    if pool is not None:
+                        assert into is not None
+                        words = reader.read_unchecked(node, selection, fmt, into)
+                    else:
+                        words = reader.read(node, selection, fmt, out=into)
+                except CheckpointReplacedError:
+                    raise
+                except CheckpointError as exc:
+                    if on_error is None:
+                        raise
+                    on_error(region, exc)
+                    whole = False
+                    continue
+                if table is not None:  # the store checks this chunk against table[i]
+                    crc = crc32c_combine(crc, int(table[i]), words.nbytes)
+                elif expected is not None:
+                    crc = crc32c_update(crc, words)
+                if pool is None:
+                    yield region, words
+                    continue
+                previous = pending
+                pending = (region, words, pool.submit(reader.check_chunk, node, i, words))
+                if previous is not None:
+                    if checked(previous):
+                        yield previous[0], previous[1]
+                    else:
+                        whole = False
+            if pending is not None:
+                last, pending = pending, None
+                if checked(last):
+                    yield last[0], last[1]
+                else:
+                    whole = False
+        finally:
+            if pending is not None:  # no buffer is reused while the worker still reads it
+                pending[2].exception()
+        if whole and expected is not None and crc != expected:
+            reader.check_current()  # replaced while read: not damage
+            assert mismatch is not None
+            error = IntegrityError(mismatch(crc, expected))
+            if on_error is None:
+                raise error
+            on_error(None, error)
+
+    def _checker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lean_store-crc-read")
+        return self._pool
 
     def close(self) -> None:
         if self._pool is not None:
@@ -513,10 +671,7 @@ def load(
         )
         names = [n for n in expected.names() if n in ck.layout]
         if verify:  # every chunk and digest checked before the target changes at all
-            for name in names:
-                with ck._reader.checks_deferred():
-                    for _ in ck.iter_bits(ck.layout[name], reuse=True):
-                        pass
+            ck.verify(names)
         total = sum(ck.layout[n].nbytes for n in names)
         with make_progress(progress, f"load {Path(str(path)).name}", total) as bar:
             for name in names:
@@ -567,7 +722,7 @@ def _install(
     ck: Checkpoint, entry: Entry, target: TargetTensor, bar: Any, touched: list[bool]
 ) -> None:
     src, dst = entry.format, target.entry.format
-    for region, words in ck.iter_bits(entry, reuse=True):
+    for region, words in ck.blocks(entry.name, reuse=True):
         if not touched:
             touched.append(True)
         target.write(region, _convert(words, src, dst))
@@ -615,7 +770,7 @@ def _state_of(
     out: dict[str, Any] = {}
     for name, fmt in wanted.items():
         entry = ck.layout[name]
-        words = _convert(ck._read_verified(entry), entry.format, fmt)
+        words = _convert(ck.read_bits(name), entry.format, fmt)
         if name in devices:
             from .sources.torch_source import new_tensor
 
@@ -642,5 +797,5 @@ def _devices_of(like: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "Checkpoint", "LoadResult", "TensorHandle", "load", "load_state", "open", "save",
+    "Checkpoint", "LoadResult", "OnError", "TensorHandle", "load", "load_state", "open", "save",
 ]

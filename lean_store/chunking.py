@@ -114,9 +114,13 @@ def table_size(shape: tuple[int, ...], chunks: tuple[int, ...]) -> int:
 
 
 def splits_into_row_blocks(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
+    """Blocks of ``chunks`` taken in C order concatenate to the array's bytes in C order:
+    ones before the split axis, whole axes after it (one block covering all is one too)."""
     if len(chunks) != len(shape):
         return False
     split = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), len(shape))
+    if split == len(shape):  # one block covers the whole array
+        return True
     return all(c == 1 for c in chunks[:split]) and all(
         c >= d for c, d in zip(chunks[split + 1 :], shape[split + 1 :])
     )

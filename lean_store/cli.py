@@ -16,9 +16,12 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError, IntegrityError, LayoutError
+
+if TYPE_CHECKING:
+    from .stores.base import StorageDescription
 
 EXIT_OK, EXIT_PROBLEM, EXIT_ERROR = 0, 1, 2
 MAX_PRINTED = 50  # problems ``verify`` prints one per line; --json lists every one
@@ -81,24 +84,6 @@ def _num(value: Any) -> str:
 # ---------------------------------------------------------------------------------- inspect
 
 
-def _disk_bytes(ck: Any, handle: Any) -> int | None:
-    if handle.stored.nbytes_on_disk is not None:
-        return int(handle.stored.nbytes_on_disk)
-    if ck.backend == "zarr":
-        folder = Path(ck.path) / handle.stored.node
-        total = 0
-        for root, _dirs, files in os.walk(folder):
-            total += sum((Path(root) / f).stat().st_size for f in files)
-        return total
-    return None
-
-
-_CODEC_NAMES = {"ZstdCodec": "zstd", "GzipCodec": "gzip", "BloscCodec": "blosc"}
-_CHECKSUMS = (
-    "fletcher32", "crc32c", "BytesCodec", "Crc32cCodec", "TransposeCodec", "ShardingCodec",
-)
-
-
 def _ratio(stored: int | None, raw: int) -> float | None:
     """Stored bytes (chunks, checksums, shard indexes) over the tensor's raw bytes."""
     if stored is None or raw <= 0:
@@ -106,15 +91,9 @@ def _ratio(stored: int | None, raw: int) -> float | None:
     return round(stored / raw, 4)
 
 
-def _compression(ck: Any, handle: Any) -> str:
-    filters = list(handle.stored.filters)
-    if ck.backend == "zarr" and "ShardingCodec" in filters:
-        try:  # the compressors of a sharded array sit inside the sharding codec
-            codecs = ck._reader._array(handle.stored.node).metadata.codecs[0].codecs
-            filters = ["sharded"] + [type(c).__name__ for c in codecs]
-        except (AttributeError, IndexError, CheckpointError):
-            filters = ["sharded"]
-    names = [_CODEC_NAMES.get(f, f) for f in filters if f not in _CHECKSUMS]
+def _compression(storage: StorageDescription) -> str:
+    sharded = ["sharded"] if "ShardingCodec" in storage.codecs else []
+    names = sharded + list(storage.compression)
     return ",".join(names) if names else "none"
 
 
@@ -125,6 +104,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows: list[dict[str, Any]] = []
         for entry in ck.layout:
             handle = ck[entry.name]
+            storage = ck.describe(entry.name)
             rows.append({
                 "index": entry.index,
                 "name": entry.name,
@@ -133,8 +113,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "width": entry.format.width,
                 "chunks": list(handle.chunks[: max(1, len(entry.shape))]),
                 "bytes": entry.nbytes,
-                "bytes_on_disk": _disk_bytes(ck, handle),
-                "compression": _compression(ck, handle),
+                "bytes_on_disk": storage.stored_bytes,
+                "compression": _compression(storage),
             })
             rows[-1]["ratio"] = _ratio(rows[-1]["bytes_on_disk"], entry.nbytes)
         stats: dict[str, Any] = {}

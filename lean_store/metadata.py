@@ -187,23 +187,14 @@ def _check_tensor(reader: StoreReader, entry: Entry, info: StoredTensor) -> list
             f"tensor {name!r}: payload shape {info.stored_shape} disagrees with shape "
             f"{entry.shape} (expected stored shape {shape})"
         )
-    if reader.backend == "hdf5":
-        if not reader.file_type_matches(info.node, entry.format):  # type: ignore[attr-defined]
-            problems.append(f"tensor {name!r}: HDF5 datatype does not encode {entry.format.tag}")
-    else:
-        from .stores.zarr.store import native_dtype
-
-        want = native_dtype(entry.format) or entry.format.storage_dtype
-        got_dtype = reader.array_dtype(info.node)  # type: ignore[attr-defined]
-        if got_dtype != want:
-            problems.append(
-                f"tensor {name!r}: zarr dtype {got_dtype} does not encode {entry.format.tag}"
-            )
+    mismatch = reader.type_mismatch(info.node, entry.format)
+    if mismatch is not None:
+        problems.append(f"tensor {name!r}: {mismatch}")
     crc = attrs.get("crc32c")
     valid_crc = isinstance(crc, int) and not isinstance(crc, bool) and 0 <= crc < 2**32
     # sharded checkpoints record one digest per shard instead (lean_store.distributed checks
     # them); every other lean_store writer records the tensor's digest
-    sharded = "shards" in attrs and "sharded" in getattr(reader, "root_attrs", {})
+    sharded = "shards" in attrs and "sharded" in reader.root_attrs
     if crc is None and not sharded:  # without it the data would go unverified
         problems.append(f"tensor {name!r}: the crc32c digest attribute is missing")
     elif crc is not None and not valid_crc:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .. import errors
+import lean_store.errors as errors
+
 from ..errors import CheckpointError
 
 MAX_MESSAGE = 4000  # characters of one rank's error carried to the others

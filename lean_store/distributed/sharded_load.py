@@ -15,11 +15,10 @@ anything unless all can:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..chunking import DEFAULT_CHUNK_BYTES, iter_regions, plan_chunks
 from ..errors import CheckpointError
-from ..stores.base import Selection
 from ..stores.hdf5.sharded import deferred_source_checks
 from .collective import Collective
 from .dtensor_blocks import check_target_cover
@@ -27,30 +26,25 @@ from .local_state import Piece, layout_of, local_pieces, strided_boxes
 from .shard_spec import Box, reads_for
 from .sharded_save import agree
 
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
 
-def stored_boxes(ck: Any, name: str) -> list[Box]:
-    shards = ck._shards.get(name)
+
+def stored_boxes(ck: Checkpoint, name: str) -> list[Box]:
+    shards = ck.shards(name)
     if shards:
         return [s.box for s in shards]
     entry = ck.layout[name]
     return [Box.whole(entry.shape or (1,))]
 
 
-def _verify_units(ck: Any, names: list[str]) -> list[tuple[str, int]]:
-    units: list[tuple[str, int]] = []
+def _verify_units(ck: Checkpoint, names: list[str]) -> list[tuple[str, int | None]]:
+    """(name, shard number) of every stored shard; (name, None) for a tensor saved whole."""
+    units: list[tuple[str, int | None]] = []
     for name in names:
-        shards = ck._shards.get(name)
-        units.extend((name, k) for k in range(len(shards))) if shards else units.append((name, -1))
+        count = len(ck.shards(name))
+        units.extend((name, k) for k in range(count)) if count else units.append((name, None))
     return units
-
-
-def _verify(ck: Any, name: str, k: int) -> None:
-    from .sharded_read import iter_shard_bits
-
-    entry = ck.layout[name]
-    bits = iter_shard_bits(ck, entry, ck._shards[name][k]) if k >= 0 else ck.iter_bits(entry)
-    for _ in bits:
-        pass
 
 
 def plan_reads(piece: Piece, stored: list[Box]) -> list[Box]:
@@ -114,47 +108,41 @@ def load(
     return result
 
 
-def check_planned_reads(ck: Any, pieces: list[Piece], names: list[str]) -> None:
+def check_planned_reads(ck: Checkpoint, pieces: list[Piece], names: list[str]) -> None:
     """Have the store check everything this rank's reads will touch (the source datasets of a
     sharded HDF5 checkpoint opened with deferred checks) before anything is installed."""
-    check = getattr(ck._reader, "check_region", None)
-    if check is None:
-        return
     by_name = {p.name: p for p in pieces}
     for name in names:
-        node = ck._stored[name].node
         for part in plan_reads(by_name[name], stored_boxes(ck, name)):
-            check(node, part)
+            ck.check_region(name, part)
 
 
-def verify_shards(ck: Any, names: list[str], comm: Collective) -> None:
+def verify_shards(ck: Checkpoint, names: list[str], comm: Collective) -> None:
     """Check every stored shard's digest of ``names``, each shard by one rank, round robin;
     every rank raises if any rank found a problem."""
     error = None
     units = _verify_units(ck, names)
     try:
         for name, k in units[comm.rank :: comm.size]:
-            _verify(ck, name, k)
+            for _ in ck.blocks(name, shard=k, reuse=True):
+                pass
     except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
         error = exc
     agree(comm, error)
-    elsewhere = getattr(ck._reader, "checked_elsewhere", None)
-    if elsewhere is not None:  # what another rank checked whole is not checked again here
-        for i, (name, k) in enumerate(units):
-            if k >= 0 and i % comm.size != comm.rank:
-                elsewhere(ck._stored[name].node, ck._shards[name][k].box)
+    for i, (name, k) in enumerate(units):  # what another rank checked whole: not again here
+        if k is not None and i % comm.size != comm.rank:
+            ck.checked_elsewhere(name, k)
 
 
-def install_piece(ck: Any, piece: Piece, stored: list[Box], block_bytes: int) -> None:
+def install_piece(ck: Checkpoint, piece: Piece, stored: list[Box], block_bytes: int) -> None:
     entry = ck.layout[piece.name]
     if entry.format != piece.format:  # the layout check makes this unreachable
         raise CheckpointError(f"{piece.name!r}: format differs from the checkpoint")
-    node = ck._stored[piece.name].node
     target = piece.target()
     itemsize = entry.format.storage_dtype.itemsize * entry.format.words_per_value
     for part in plan_reads(piece, stored):
         unit = plan_chunks(part.lengths, itemsize, block_bytes)
         for local in iter_regions(part.lengths, unit):
             region = tuple(slice(s.start + o, s.stop + o) for s, o in zip(local, part.offsets))
-            words = ck._reader.read(node, Selection.of_region(region), entry.format)
+            words = ck.read_region(piece.name, region)
             target.write(piece.box.local(region), words)

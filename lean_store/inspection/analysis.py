@@ -1,9 +1,10 @@
 """Lazy analysis: dask arrays chunked like the store, and an xarray Dataset of every tensor.
 
+>>> from lean_store.inspection.analysis import to_dask, to_xarray
 >>> with ls.open("run.h5") as ck:
-...     w = ck.to_dask("layer.weight")        # nothing read yet
+...     w = to_dask(ck, "layer.weight")       # nothing read yet
 ...     w.mean().compute()                    # reads chunk by chunk, in parallel
-...     ds = ck.to_xarray()                   # one variable per tensor, all lazy
+...     ds = to_xarray(ck)                    # one variable per tensor, all lazy
 
 ``to_dask`` keeps formats with a numpy dtype (ml_dtypes included) and decodes every other format
 exactly to float64 (complex128 for complex formats), chunk by chunk, inside the dask graph;
@@ -19,16 +20,14 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..checkpoint import Checkpoint, as_values
 from ..errors import CheckpointError
 from ..formats import BoolFormat, IntegerFormat
 from .reading import decoder, values_dtype
-
-if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint
 
 _OPEN: dict[tuple[str, str], Checkpoint] = {}
 _OPEN_LOCK = threading.Lock()
@@ -40,8 +39,6 @@ def _checkpoint(path: str, backend: str) -> Checkpoint:
     with _OPEN_LOCK:
         ck = _OPEN.get(key)
         if ck is None:
-            from ..checkpoint import Checkpoint
-
             ck = _OPEN[key] = Checkpoint(path, backend=backend)
         return ck
 
@@ -73,8 +70,6 @@ class TensorBlocks:
         fmt = self.format
         if self.decode:
             return decoder(fmt)(words)
-        from ..checkpoint import as_values
-
         return np.asarray(as_values(words, fmt))
 
 

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..checkpoint import Checkpoint
 from ..formats import BinaryFormat, ComplexFormat, ExponentFormat, ScalarFormat
 from ..layout import Difference
 from .reading import DEFAULT_BLOCK_BYTES, block_unit, decoder, iter_words
-
-if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint
 
 
 @dataclass

@@ -1,26 +1,19 @@
-"""Streamed, digest-checked reads in row blocks of a chosen size, and fast exact decoding.
-
-Shared by :mod:`.stats`, :mod:`.diff`, :mod:`.analysis` and the
-converters. Row blocks taken in C order concatenate to the tensor's words, so the crc32c digest
-recorded at save time is checked in the same single pass, whatever the block size.
+"""Row blocks of a chosen size read through :meth:`Checkpoint.blocks` (every chunk and the
+digest checked), and fast exact decoding. Shared by :mod:`.stats`, :mod:`.diff` and
+:mod:`.analysis`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..chunking import Region, iter_regions, plan_chunks
-from ..errors import IntegrityError
+from ..checkpoint import Checkpoint
+from ..chunking import Region, plan_chunks
 from ..formats import BinaryFormat, ComplexFormat, ExponentFormat, ScalarFormat
 from ..layout import Entry
-from ..stores.base import Selection
-
-if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint
 
 DEFAULT_BLOCK_BYTES = 8 << 20
 _LUT_MAX_WIDTH = 16
@@ -39,28 +32,12 @@ def block_unit(entry: Entry, block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[in
 
 
 def iter_words(
-    ck: Checkpoint, entry: Entry, block_bytes: int = DEFAULT_BLOCK_BYTES, *, verify: bool = True,
+    ck: Checkpoint, entry: Entry, block_bytes: int = DEFAULT_BLOCK_BYTES, *,
     unit: tuple[int, ...] | None = None,
 ) -> Iterator[tuple[Region, np.ndarray]]:
-    """Raw words of ``entry`` in row blocks (of ``unit``, or about ``block_bytes``), C order.
-
-    The crc32c digest is checked after the last block (``unit`` must be a row block)."""
-    from ..integrity import crc32c_update
-
-    stored = ck._stored[entry.name]
-    expected = stored.attrs.get("crc32c") if verify else None
-    crc = 0
-    unit = unit or block_unit(entry, block_bytes)
-    for region in iter_regions(stored_shape(entry), unit):
-        words = ck._reader.read(stored.node, Selection.of_region(region), entry.format)
-        if expected is not None:
-            crc = crc32c_update(crc, words)
-        yield region, words
-    if expected is not None and crc != expected:
-        raise IntegrityError(
-            f"tensor {entry.name!r} of {ck.path}: crc32c {crc:#010x} does not match the "
-            f"recorded {expected:#010x}; the checkpoint is corrupt"
-        )
+    """Raw words of ``entry`` in row blocks (of ``unit``, or about ``block_bytes``), C order,
+    every chunk and the digest checked (:meth:`Checkpoint.blocks`)."""
+    return ck.blocks(entry.name, unit=unit or block_unit(entry, block_bytes))
 
 
 @lru_cache(maxsize=64)

@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..checkpoint import Checkpoint
 from ..formats import BoolFormat, ComplexFormat, IntegerFormat
 from ..layout import Entry
 from .reading import DEFAULT_BLOCK_BYTES, decoder, iter_words
 
 SCALE = 64  # block sums that overflow are taken of x * 2**-SCALE
-
-if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint
 
 
 @dataclass

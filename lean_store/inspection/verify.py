@@ -13,24 +13,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-import google_crc32c
-import numpy as np
-
-from ..chunking import Region, iter_regions
+from ..checkpoint import Checkpoint
+from ..chunking import Region, splits_into_row_blocks
 from ..errors import CheckpointError, IntegrityError, listing
-from ..layout import Entry
-from ..stores.base import Selection
+from ..layout import Entry, stored_rank_shape
 
-_EMPTY = (1 << 64) - 1  # a Zarr shard index slot with no chunk
 MAX_LISTED_PROBLEMS = 50  # problems str(report) names; ``problems`` holds every one
 
 
@@ -102,8 +94,6 @@ def verify(
     """
     if isolate:
         return _verify_isolated(str(path), backend, timeout, memory_limit)
-    from ..checkpoint import Checkpoint
-
     report = VerifyReport(str(path))
     try:
         ck = Checkpoint(path, backend=backend)
@@ -175,189 +165,46 @@ def _main(argv: list[str] | None = None) -> int:
     return 0 if report.ok or args.json else 1
 
 
-def _chunk_regions(
-    shape: tuple[int, ...], chunks: tuple[int, ...]
-) -> Iterator[tuple[tuple[int, ...], Region]]:
-    for region in iter_regions(shape, chunks):
-        yield tuple(s.start // c for s, c in zip(region, chunks)), region
-
-
-def _verify_tensor(ck: Any, entry: Entry, report: VerifyReport) -> None:
-    from ..chunking import splits_into_row_blocks
-    from ..integrity import crc32c_update
-
-    if ck._shards.get(entry.name):  # saved by lean_store.distributed: one digest per shard
-        from ..distributed.sharded_read import verify_sharded_tensor
-
-        verify_sharded_tensor(ck, entry, report, Problem)
+def _verify_tensor(ck: Checkpoint, entry: Entry, report: VerifyReport) -> None:
+    """Every chunk of ``entry`` read on its own through :meth:`Checkpoint.blocks`, each failure
+    reported and the stream continued; then the digest. A sharded tensor: shard by shard, one
+    problem per bad shard, naming its box and writer rank."""
+    name = entry.name
+    shards = ck.shards(name)
+    if shards:  # saved by lean_store.distributed: one digest per shard
+        for k, shard in enumerate(shards):
+            try:
+                for _region, words in ck.blocks(name, shard=k, reuse=True):
+                    report.chunks += 1
+                    report.nbytes += words.nbytes
+            except CheckpointError as exc:
+                report.problems.append(
+                    Problem(name, None, f"shard {shard.box} (rank {shard.rank}): {exc}"))
         return
-    info = ck._stored[entry.name]
-    reader = ck._reader
-    for chunk, message in _structure_problems(reader, info):
-        report.problems.append(Problem(entry.name, chunk, message))
-    shape = entry.shape or (1,)
-    chunks = tuple(info.chunk_shape[: len(shape)])
-    in_order = splits_into_row_blocks(shape, chunks)  # chunks concatenate to the tensor's bytes
-    crc, readable = 0, True
-    for coords, region in _chunk_regions(shape, chunks):
+    for chunk, message in ck.structure_problems(name):
+        report.problems.append(Problem(name, chunk, message))
+    shape = stored_rank_shape(entry)
+    chunks = ck.stored(name).chunk_shape[: len(shape)]
+    by_chunk = splits_into_row_blocks(shape, chunks)  # else row blocks of the default size
+
+    def failed(region: Region | None, exc: CheckpointError) -> None:
+        if region is None:
+            report.problems.append(Problem(name, None, f"{exc}; every chunk passed its own "
+                                           "checksum, so chunks are swapped, stale or forged"))
+            return
         report.chunks += 1
-        try:
-            words = reader.read(info.node, Selection.of_region(region), entry.format)
-        except CheckpointError as exc:
-            readable = False
-            report.problems.append(Problem(entry.name, coords, _chunk_message(exc, region)))
-            continue
+        coords = tuple(s.start // c for s, c in zip(region, chunks)) if by_chunk else None
+        report.problems.append(Problem(name, coords, _chunk_message(exc, region)))
+
+    for _region, words in ck.blocks(name, unit=chunks if by_chunk else None, reuse=True,
+                                    on_error=failed):
+        report.chunks += 1
         report.nbytes += words.nbytes
-        if in_order:
-            crc = crc32c_update(crc, words)
-    if not readable:
-        return
-    if not in_order:
-        crc = 0
-        for _region, words in ck.iter_bits(entry):  # verifies the digest itself
-            crc = crc32c_update(crc, words)
-        return
-    expected = info.attrs.get("crc32c")
-    if crc != expected:
-        report.problems.append(
-            Problem(
-                entry.name, None,
-                f"crc32c digest {crc:#010x} does not match the recorded {expected!r}; every "
-                "chunk passed its own checksum, so chunks are swapped, stale or forged",
-            )
-        )
 
 
 def _chunk_message(exc: Exception, region: Region) -> str:
     box = ", ".join(f"{s.start}:{s.stop}" for s in region)
     return f"elements [{box}] unreadable: {exc}"
-
-
-# ------------------------------------------------------------------ backend structure checks
-
-
-def _structure_problems(reader: Any, info: Any) -> list[tuple[tuple[int, ...] | None, str]]:
-    if reader.backend == "hdf5":
-        return _hdf5_structure(reader, info)
-    return _zarr_structure(reader, info)
-
-
-def _hdf5_structure(reader: Any, info: Any) -> list[tuple[tuple[int, ...] | None, str]]:
-    problems: list[tuple[tuple[int, ...] | None, str]] = []
-    if "crc32c" not in info.filters and "fletcher32" not in info.filters:
-        problems.append((None, "no per-chunk checksum (no chunk_crc32c table, no fletcher32)"))
-    ds = reader._dataset(info.node)
-    chunks = info.chunk_shape
-    try:
-        skippable = _skippable_filters(ds.id.get_create_plist())
-        file_size = ds.file.id.get_filesize()
-        for i in range(ds.id.get_num_chunks()):
-            chunk = ds.id.get_chunk_info(i)
-            coords = tuple(o // c for o, c in zip(chunk.chunk_offset, chunks))
-            bad = _bad_skips(chunk.filter_mask, skippable)
-            if bad:
-                problems.append((coords, f"filters skipped for this chunk that may not be "
-                                         f"({', '.join(bad)}; mask {chunk.filter_mask})"))
-            if chunk.byte_offset is None or chunk.byte_offset + chunk.size > file_size:
-                problems.append((coords, "chunk lies outside the file"))
-    except (OSError, RuntimeError, ValueError) as exc:
-        problems.append((None, f"unreadable chunk index ({exc})"))
-    return problems
-
-
-def _skippable_filters(dcpl: Any) -> list[tuple[str, bool]]:
-    """(name, may be skipped) for each filter of the pipeline, in order.
-
-    HDF5 skips an *optional* filter (``H5Z_FLAG_OPTIONAL``) for a chunk it fails to encode,
-    e.g. LZF on a chunk it cannot shrink, and records that in the chunk's filter
-    mask; reading then returns the chunk as stored. That is normal, not damage. A mandatory
-    filter is never skipped by HDF5, and a checksum (fletcher32) is never worth skipping, so
-    a skipped one of those means the chunk was written by something else."""
-    from h5py import h5z
-
-    out = []
-    for i in range(dcpl.get_nfilters()):
-        code, flags = dcpl.get_filter(i)[:2]
-        name = _FILTER_NAMES.get(code, f"filter {code}")
-        optional = bool(flags & h5z.FLAG_OPTIONAL) and code != h5z.FILTER_FLETCHER32
-        out.append((name, optional))
-    return out
-
-
-def _bad_skips(mask: int, pipeline: list[tuple[str, bool]]) -> list[str]:
-    """Names of the filters ``mask`` skips although they may not be skipped (bits past the end
-    of the pipeline name filters that do not exist)."""
-    bad = []
-    for bit in range(32):
-        if mask >> bit & 1:
-            if bit >= len(pipeline):
-                bad.append(f"filter #{bit}, which the dataset does not have")
-            elif not pipeline[bit][1]:
-                bad.append(pipeline[bit][0])
-    return bad
-
-
-_FILTER_NAMES = {1: "deflate", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit",
-                 6: "scaleoffset", 32000: "lzf", 32001: "blosc"}
-
-
-def _zarr_structure(reader: Any, info: Any) -> list[tuple[tuple[int, ...] | None, str]]:
-    from ..stores.zarr.checks import codec_names
-
-    array = reader._array(info.node)
-    _outer, inner = codec_names(array.metadata)
-    problems: list[tuple[tuple[int, ...] | None, str]] = []
-    if "Crc32cCodec" not in inner:
-        problems.append((None, "no per-chunk checksum (crc32c codec missing)"))
-    sharding = [c for c in array.metadata.codecs if type(c).__name__ == "ShardingCodec"]
-    tree = getattr(reader, "_tree", None)
-    if sharding and tree is not None and math.prod(array.shape):
-        problems.extend(_shard_index_problems(reader, info.node, array, sharding[0], tree.root))
-    return problems
-
-
-def _shard_index_problems(
-    reader: Any, node: str, array: Any, shard: Any, root: Path
-) -> list[tuple[tuple[int, ...] | None, str]]:
-    """Read each shard's index (at its end, crc32c-protected) and report empty or
-    out-of-range slots for inner chunks that overlap the array."""
-    from ..stores.zarr.checks import zarr_chunk_keys, zarr_grid
-    from ..stores.zarr.compat import plain_codecs, sharding_document
-
-    config = sharding_document(array) or {}
-    if not plain_codecs(config.get("index_codecs") or []) \
-            or config.get("index_location", "end") != "end":
-        return []
-    shard_shape = zarr_grid(node, array)
-    inner = tuple(int(c) for c in config["chunk_shape"])
-    per_shard = tuple(s // c for s, c in zip(shard_shape, inner))
-    n_slots = math.prod(per_shard)
-    index_bytes = 16 * n_slots + 4
-    problems: list[tuple[tuple[int, ...] | None, str]] = []
-    for key, coords in zarr_chunk_keys(node, array, len(reader._tree.files)):
-        path = root / key
-        size = path.stat().st_size
-        if size < index_bytes:
-            problems.append((None, f"shard {key!r} is shorter than its index"))
-            continue
-        with path.open("rb") as f:
-            f.seek(size - index_bytes)
-            raw = f.read(index_bytes)
-        body, stored = raw[:-4], int.from_bytes(raw[-4:], "little")
-        if google_crc32c.value(body) != stored:
-            problems.append((None, f"shard {key!r}: index checksum mismatch"))
-            continue
-        table = np.frombuffer(body, dtype="<u8").reshape(n_slots, 2)
-        for slot, (offset, nbytes) in enumerate(table):
-            local = np.unravel_index(slot, per_shard)
-            chunk = tuple(int(s * p + q) for s, p, q in zip(coords, per_shard, local))
-            if any(c * n >= d for c, n, d in zip(chunk, inner, array.shape)):
-                continue  # slot beyond the array's edge: legitimately empty
-            if int(offset) == _EMPTY and int(nbytes) == _EMPTY:
-                problems.append((chunk, f"missing from shard {key!r} (would read as fill)"))
-            elif int(offset) + int(nbytes) > size - index_bytes:
-                problems.append((chunk, f"lies outside shard {key!r}"))
-    return problems
 
 
 __all__ = ["Problem", "VerifyReport", "verify"]

@@ -26,7 +26,6 @@ magic, zip or JSON), then by suffix.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from ..chunking import Region
-from ..errors import CheckpointError, FormatError, IntegrityError
-from ..layout import Entry, Layout
+from ..checkpoint import Checkpoint
+from ..chunking import Region, region_shape, splits_into_row_blocks
+from ..errors import CheckpointError, FormatError
+from ..layout import Entry, Layout, stored_rank_shape
 from ..sources.base import SourceTensor, TensorSource
 
 FORMATS = (
@@ -91,49 +91,46 @@ def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading
 
 
 class _VerifiedTensor(SourceTensor):
-    """Reads regions of a stored tensor; checks the digest when the reads were sequential."""
+    """Regions of a stored tensor. Read as one pass of equal row blocks from the origin (what
+    the save pipeline does), they come from :meth:`Checkpoint.blocks`, so every chunk and the
+    digest are checked on the way; any other order verifies the whole tensor once, first."""
 
-    def __init__(self, ck: Any, entry: Entry) -> None:
+    def __init__(self, ck: Checkpoint, entry: Entry) -> None:
         self._ck, self._entry = ck, entry
-        self._stored = ck._stored[entry.name]
-        self._shape = entry.shape or (1,)
-        self._total = math.prod(self._shape)
-        self._pos = 0
-        self._crc = 0
-        self._checked = False
+        self._shape = stored_rank_shape(entry)
+        self._blocks: Iterator[tuple[Region, np.ndarray]] | None = None
+        self._verified = False
 
     def read(self, region: Region) -> np.ndarray:
-        from ..integrity import crc32c_update
-        from ..stores.base import Selection
+        name = self._entry.name
+        if self._blocks is None and not self._verified:
+            unit = region_shape(region)
+            if all(s.start == 0 for s in region) and splits_into_row_blocks(self._shape, unit):
+                self._blocks = self._ck.blocks(name, unit=unit)
+            else:
+                self._verify()
+        if self._blocks is not None:
+            got = next(self._blocks, None)
+            if got is not None and _bounds(got[0]) == _bounds(region):
+                if all(s.stop == d for s, d in zip(region, self._shape)):  # the last block
+                    next(self._blocks, None)  # the digest is checked here
+                    self._blocks, self._verified = None, True
+                return got[1]
+            self._blocks = None  # not one sequential pass after all
+            self._verify()
+        return self._ck.read_region(name, region)
 
-        words = self._ck._reader.read(self._stored.node, Selection.of_region(region),
-                                      self._entry.format)
-        start = int(np.ravel_multi_index(tuple(s.start for s in region), self._shape))
-        size = math.prod(s.stop - s.start for s in region)
-        if not self._checked:
-            if start == self._pos:
-                self._crc = crc32c_update(self._crc, words)
-                self._pos += size
-                if self._pos == self._total:
-                    self._check(self._crc)
-            else:  # not one sequential pass: verify the whole tensor once, separately
-                for _ in self._ck.iter_bits(self._entry):
-                    pass
-                self._checked = True
-        return words
+    def _verify(self) -> None:
+        self._ck.verify([self._entry.name])
+        self._verified = True
 
-    def _check(self, crc: int) -> None:
-        self._checked = True
-        expected = self._stored.attrs.get("crc32c")
-        if expected is not None and crc != expected:
-            raise IntegrityError(
-                f"tensor {self._entry.name!r}: crc32c {crc:#010x} does not match the recorded "
-                f"{expected:#010x}; the checkpoint is corrupt"
-            )
+
+def _bounds(region: Region) -> tuple[tuple[int, int], ...]:
+    return tuple((s.start, s.stop) for s in region)
 
 
 class _CheckpointSource(TensorSource):
-    def __init__(self, ck: Any) -> None:
+    def __init__(self, ck: Checkpoint) -> None:
         self._ck = ck
         self.layout = ck.layout
 
@@ -190,12 +187,10 @@ def open_input(path: str | os.PathLike, fmt: str | None = None) -> Input:
         check_checkpoint_path(path, what="input")  # a FIFO or device is never opened
     fmt = format_of_path(path, fmt, reading=True)
     if fmt in ("hdf5", "zarr"):
-        from ..checkpoint import Checkpoint
-
         ck = Checkpoint(path, backend=fmt)
         extra = {k: ck.root_attrs[k] for k in CARRIED_ATTRS if k in ck.root_attrs}
         return Input(fmt, _CheckpointSource(ck), kind=ck.kind, extra=extra, closer=ck.close,
-                     read_words=ck._read_verified)
+                     read_words=lambda entry: ck.read_bits(entry.name))
     if fmt == "safetensors":
         from .safetensors_io import SafetensorsSource
 

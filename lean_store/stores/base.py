@@ -4,8 +4,9 @@ A writer creates one chunked dataset per tensor, accepts writes of whole write u
 or a zarr shard) in C order, and commits atomically through :mod:`lean_store.stores.commit`:
 everything goes to a hidden temporary sibling which is fsynced and renamed into place only when
 complete (a URL: a new prefix whose root metadata, written last, is the commit marker). A reader
-lists tensors, reports their attributes and storage, and reads any rectangular, strided selection
-of raw bits.
+lists tensors, reports their attributes and storage, reads any rectangular, strided selection
+of raw bits with every chunk checked, and reports what ``verify`` checks beyond the data (see
+StoreReader).
 """
 
 from __future__ import annotations
@@ -155,8 +156,34 @@ class StoreWriter(ABC):
                 raise SaveIOError.wrapping(self.path, exc) from exc
 
 
+ChunkProblem = tuple[tuple[int, ...] | None, str]
+"""One structural defect a store found: (chunk coordinates in the chunk grid, or None for the
+tensor as a whole; what is wrong)."""
+
+
+@dataclass(frozen=True)
+class StorageDescription:
+    """How one tensor is stored, for people: ``chunk_shape`` (the store's chunks; Zarr
+    sharded arrays: the inner chunks), ``codecs`` (every filter or codec, checksums included,
+    in the store's own names), ``compression`` (the compressing ones alone, e.g. ``["zstd"]``;
+    empty for none) and ``stored_bytes`` (bytes the tensor takes in the store, chunks, checksums
+    and shard indexes included; None where the store cannot tell)."""
+
+    chunk_shape: tuple[int, ...]
+    codecs: tuple[str, ...]
+    compression: tuple[str, ...]
+    stored_bytes: int | None
+
+
 class StoreReader(ABC):
-    """Read access to one committed checkpoint."""
+    """Read access to one committed checkpoint.
+
+    Every reader can: list its datasets (:meth:`nodes`), describe one (:meth:`stored`,
+    :meth:`describe`), say whether its element type encodes a format (:meth:`type_mismatch`),
+    read a selection with every chunk it touches checked (:meth:`read`), read one whole chunk
+    unchecked and check it later (:meth:`read_unchecked`, :meth:`check_chunk`, for overlapping
+    the check with the next read), check a dataset's metadata now (:meth:`check_metadata`) and
+    report structural defects chunk by chunk (:meth:`structure_problems`, for ``verify``)."""
 
     backend: str = ""
     root_attrs: dict[str, Any]
@@ -174,16 +201,56 @@ class StoreReader(ABC):
         """Attributes and storage description of one dataset."""
 
     @abstractmethod
+    def describe(self, node: str) -> StorageDescription:
+        """How ``node`` is stored: chunks, codecs, compression, bytes in the store."""
+
+    @abstractmethod
+    def type_mismatch(self, node: str, fmt: Any) -> str | None:
+        """None when ``node``'s element type is the one lean_store writes for ``fmt``, else
+        what it is instead (e.g. ``"HDF5 datatype does not encode bfloat16"``)."""
+
+    @abstractmethod
     def read(
         self, node: str, selection: Selection, fmt: Any, out: np.ndarray | None = None
     ) -> np.ndarray:
         """Raw words of ``selection`` (complex formats: trailing axis of 2), written into
-        ``out`` (of that shape and the storage dtype) and returned as ``out`` when given."""
+        ``out`` (of that shape and the storage dtype) and returned as ``out`` when given.
+        Every chunk the selection touches is checked against the store's per-chunk checksum."""
+
+    @abstractmethod
+    def structure_problems(self, node: str) -> list[ChunkProblem]:
+        """Structural defects of ``node`` that reading its data would not show (a chunk whose
+        filters were skipped, an empty slot in a shard index, no per-chunk checksum, ...)."""
 
     def chunk_crcs(self, node: str) -> np.ndarray | None:
         """The per-chunk CRC-32C table of ``node`` (C order of the chunk grid) when the store
         keeps one and checks every chunk read against it, else None."""
         return None
+
+    def read_unchecked(
+        self, node: str, selection: Selection, fmt: Any, out: np.ndarray
+    ) -> np.ndarray:
+        """One whole chunk (``selection``) read into the C-contiguous ``out`` without its
+        checksum check where the store can defer it: the caller runs :meth:`check_chunk` on
+        the words before using them. Stores without a CRC table check here, as :meth:`read`."""
+        return self.read(node, selection, fmt, out)
+
+    def check_chunk(self, node: str, number: int, words: np.ndarray) -> None:  # noqa: B027
+        """IntegrityError unless ``words`` (chunk ``number`` in C order, whole) match the
+        store's CRC table (:meth:`chunk_crcs`); nothing to do for stores without one."""
+
+    def check_metadata(self, node: str) -> None:  # noqa: B027 - most stores: done when opened
+        """Check ``node``'s metadata now, as a read would before its first data (Zarr: the
+        array's own ``zarr.json`` against its copy in the root)."""
+
+    def check_region(self, node: str, box: Any) -> None:  # noqa: B027 - checked when opened
+        """Check now what a read of ``box`` (global coordinates) of ``node`` will touch: for
+        stores that defer checks of parts of a checkpoint until a read needs them (sharded
+        HDF5 opened with deferred source checks); most stores checked everything when opened."""
+
+    def checked_elsewhere(self, node: str, box: Any) -> None:  # noqa: B027 - nothing to skip
+        """The part ``box`` of ``node`` was read whole and checked by another process and every
+        process agreed: a store may skip checks of it it would otherwise repeat."""
 
     def check_current(self) -> None:  # noqa: B027 - stores that read one open file: nothing
         """Raise :class:`~lean_store.errors.CheckpointReplacedError` when the checkpoint this

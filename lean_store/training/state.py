@@ -299,7 +299,8 @@ class TrainingReader:
     def __init__(self, ck: Checkpoint) -> None:
         self.ck = ck
 
-    def _entry(self, name: str) -> Any:
+    def entry(self, name: str) -> Any:
+        """The layout entry of tensor ``name``; IntegrityError when the checkpoint lacks it."""
         if name not in self.ck.layout:
             raise IntegrityError(f"{self.ck.path}: the metadata names tensor {name!r}, "
                                  "which the checkpoint does not hold")
@@ -308,16 +309,16 @@ class TrainingReader:
     def tensor(self, name: str, device: Any = "cpu") -> Any:
         from ..sources.torch_source import dtype_of_format, new_tensor
 
-        entry = self._entry(name)
+        entry = self.entry(name)
         if dtype_of_format(entry.format) is None:
             raise IntegrityError(f"tensor {name!r} is {entry.format.tag}, which torch cannot hold")
-        return new_tensor(self.ck._read_verified(entry), entry.format, entry.shape, device)
+        return new_tensor(self.ck.read_bits(entry.name), entry.format, entry.shape, device)
 
     def lookup(self, kind: str, name: str) -> Any:
         if kind == "tensor":
             return self.tensor(name)
-        entry = self._entry(name)
-        values = as_values(self.ck._read_verified(entry), entry.format)
+        entry = self.entry(name)
+        values = as_values(self.ck.read_bits(entry.name), entry.format)
         if kind == "scalar":
             if entry.shape != () or not hasattr(values, "dtype"):
                 raise IntegrityError(f"tensor {name!r} is not a numpy scalar")
@@ -447,7 +448,7 @@ def _rank_rng(meta: Any, reader: TrainingReader, rank: int, world: int
             "resharding to another world size RNG continuation cannot be reproduced)")
 
     def lookup(kind: str, name: str) -> Any:
-        entry = reader._entry(name)
+        entry = reader.entry(name)
         if not entry.shape or entry.shape[0] != len(ranks):
             raise IntegrityError(f"per-rank RNG tensor {name!r} of shape {entry.shape} is not "
                                  f"stacked over {len(ranks)} ranks")
@@ -476,13 +477,11 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
     stored = [e for e in ck.layout if e.name.startswith("model/")]
     actual = Layout.from_specs([(e.name, e.shape, e.format) for e in stored])
     actual.check(expected)
-    for entry in stored:  # verify every digest before anything is written
-        for _ in ck.iter_bits(entry):
-            pass
+    ck.verify([e.name for e in stored])  # every digest before anything is written
 
     def install() -> None:
         for name, target in targets.items():
-            for region, words in ck.iter_bits(ck.layout[f"model/{name}"]):
+            for region, words in ck.blocks(f"model/{name}", reuse=True):
                 target.write(region, words)
 
     return install

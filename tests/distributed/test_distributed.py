@@ -208,9 +208,9 @@ def scenario_load2(rank: int, world: int, out: Path) -> dict:
 
     real_read = ZarrReader.read
 
-    def spy(self, node, selection, fmt):
+    def spy(self, node, selection, fmt, out=None):
         reads.append((node, selection.start, selection.count))
-        return real_read(self, node, selection, fmt)
+        return real_read(self, node, selection, fmt, out)
 
     ZarrReader.read = spy
     try:

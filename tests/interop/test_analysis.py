@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import lean_store as ls
+from lean_store.inspection.analysis import to_dask, to_xarray
 from lean_store.layout import Entry, Layout
 from lean_store.sources.base import SourceTensor, TensorSource
 from lean_store.writing import write_source
@@ -26,17 +27,17 @@ def test_to_dask_is_lazy_chunked_like_the_store_and_exact(tmp_path: Path) -> Non
         ls.save({"w": values, "t": twelve, "s": np.float64(2.5)}, tmp_path / name,
                 chunk_bytes=4096)
         with ls.open(tmp_path / name) as ck:
-            w = ck.to_dask("w")
+            w = to_dask(ck, "w")
             assert w.chunks[0][0] == ck["w"].chunks[0] == 4096 // (40 * 4)
             assert w.dtype == np.float32 and w.shape == (300, 40)
             assert np.array_equal(w.compute(), values)
             assert float(w[10:20, 3].sum().compute()) == float(values[10:20, 3].sum())
-            t = ck.to_dask("t")
+            t = to_dask(ck, "t")
             assert t.dtype == np.float64  # no numpy dtype: decoded lazily, exactly
             assert np.array_equal(t.compute(), twelve.decode())
-            assert float(ck.to_dask("s").compute()) == 2.5
+            assert float(to_dask(ck, "s").compute()) == 2.5
             with pytest.raises(KeyError):
-                ck.to_dask("nope")
+                to_dask(ck, "nope")
 
 
 def test_to_xarray_dataset_of_all_tensors(tmp_path: Path) -> None:
@@ -44,7 +45,7 @@ def test_to_xarray_dataset_of_all_tensors(tmp_path: Path) -> None:
     cpx = ls.Encoded.from_values(np.array([1 + 1j, -2j]), "complex(bfloat16)")
     ls.save({"layer.w": np.ones((2, 3), np.float32), "bf": bf, "cpx": cpx}, tmp_path / "x.zarr")
     with ls.open(tmp_path / "x.zarr") as ck:
-        ds = ck.to_xarray()
+        ds = to_xarray(ck)
         assert list(ds.data_vars) == ["layer.w", "bf", "cpx"]
         assert ds["layer.w"].dims == ("layer.w.dim_0", "layer.w.dim_1")
         assert ds["bf"].attrs["format"] == "bfloat16"
@@ -77,8 +78,9 @@ REDUCE = textwrap.dedent(
     import json, sys
     import dask
     import lean_store as ls
+    from lean_store.inspection.analysis import to_dask
     with ls.open(sys.argv[1]) as ck:
-        big = ck.to_dask("big")
+        big = to_dask(ck, "big")
         with dask.config.set(scheduler="threads", num_workers=2):
             total = float(big.sum(dtype="float64").compute())
             top = float(big.max().compute())
@@ -111,7 +113,7 @@ def test_dask_reduction_over_a_tensor_larger_than_the_memory_budget(tmp_path: Pa
 def test_dask_graph_holds_a_path_not_an_open_file(tmp_path: Path) -> None:
     ls.save({"w": np.arange(10.0)}, tmp_path / "p.h5")
     with ls.open(tmp_path / "p.h5") as ck:
-        arr = ck.to_dask("w")
+        arr = to_dask(ck, "w")
     from lean_store.inspection.analysis import close_handles
 
     close_handles()

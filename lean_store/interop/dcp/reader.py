@@ -32,7 +32,6 @@ from ...checkpoint import Checkpoint
 from ...errors import CheckpointError
 from ...layout import Entry
 from ...sources.torch_source import bit_view, dtype_of_format, new_tensor
-from ...stores.base import Selection
 from ...stores.registry import detect_backend
 from .objects import ROOT_ATTR, object_bytes, parse_objects
 from .writer import path_string
@@ -162,22 +161,15 @@ def _words_of(dest: torch.Tensor, fmt: Any) -> Any:
 
 
 def _read(ck: Checkpoint, key: str, region: tuple[slice, ...], out: Any = None) -> Any:
-    """Raw words of ``region``: from the one shard file that holds it when the checkpoint is a
-    sharded HDF5 directory (DCP reads never cross a stored chunk), else through the store."""
-    entry = ck.layout[key]
-    node = ck._stored[key].node
-    direct = getattr(ck._reader, "read_shard_region", None)
-    if direct is not None:
-        words = direct(node, region, entry.format, out)
-        if words is not None:
-            return words
-    return ck._reader.read(node, Selection.of_region(region), entry.format, out)
+    """Raw words of ``region``, every chunk it touches checked (a sharded HDF5 checkpoint reads
+    it from the one shard file that holds it; DCP reads never cross a stored shard)."""
+    return ck.read_region(key, region, out)
 
 
 def _stored_boxes(ck: Checkpoint, entry: Entry) -> list[Any]:
     from ...distributed.shard_spec import Box
 
-    shards = ck._shards.get(entry.name)
+    shards = ck.shards(entry.name)
     if shards:
         return [s.box for s in shards if not s.box.empty]
     return [Box.whole(entry.shape or (1,))]

@@ -36,7 +36,7 @@ from ...layout import Entry
 from ...metadata import tensor_attrs
 from ...naming import node_name
 from ...replacement import PinnedRoot, check_unchanged
-from ..base import Selection, StoredTensor
+from ..base import ChunkProblem, Selection, StoredTensor
 from ..sharded_layout import RankShardWriter, ShardedLayout, write_box
 from .store import (
     ATTR_PHASE_CHANGE,
@@ -137,7 +137,7 @@ class ShardedHDF5Reader(HDF5Reader):
             raise
         self._sources: dict[str, HDF5Reader] = {}
         self._defer = _DEFER_SOURCES.get()
-        self._virtual: dict[str, list[tuple[Box, str, str]]] = {}  # node -> its mappings
+        self._virtual_maps: dict[str, list[tuple[Box, str, str]]] = {}  # node -> its mappings
         self._infos: dict[str, StoredTensor] = {}  # node -> what stored() returned
         self._checked: dict[tuple[str, str], StoredTensor] = {}  # (file, dataset) -> checked
         self._attr_names: list[str] | None = None  # the attribute names of the last dataset
@@ -147,7 +147,7 @@ class ShardedHDF5Reader(HDF5Reader):
         check_unchanged(self._pin, str(self.directory))
 
     def read(self, node: str, selection: Any, fmt: Any, out: Any = None) -> Any:
-        mappings = self._virtual.get(node)
+        mappings = self._virtual_maps.get(node)
         if mappings is not None:
             touched = self._touched(mappings, selection)
             self._check_sources(node, touched)
@@ -196,7 +196,7 @@ class ShardedHDF5Reader(HDF5Reader):
             node=node, attrs=attrs, stored_shape=tuple(ds.shape), chunk_shape=tuple(ds.shape),
             storage="hdf5", itemsize=ftype.get_size(), nbytes_on_disk=None, filters=[],
         )
-        self._virtual[node] = mappings
+        self._virtual_maps[node] = mappings
         self._infos[node] = info
         if not self._defer:
             self._check_sources(node, mappings)
@@ -206,7 +206,7 @@ class ShardedHDF5Reader(HDF5Reader):
         """Check every source dataset holding part of ``box`` of ``node``, its attributes
         against its shard file's manifest included (a no-op for one already checked, or a
         node that is not virtual): what a read of ``box`` needs, checked before any read."""
-        mappings = self._virtual.get(node)
+        mappings = self._virtual_maps.get(node)
         if mappings is not None:
             touched = [m for m in mappings if m[0].intersect(box) is not None]
             self._check_sources(node, touched)
@@ -216,7 +216,7 @@ class ShardedHDF5Reader(HDF5Reader):
     def checked_elsewhere(self, node: str, box: Box) -> None:
         """Another rank read the shard ``box`` of ``node`` whole (its digest and attributes
         checked) and every rank agreed: its dataset's attributes are not compared again here."""
-        for mapped, fname, dset in self._virtual.get(node, []):
+        for mapped, fname, dset in self._virtual_maps.get(node, []):
             if mapped != box:
                 continue
             reader = self._sources.get(fname)
@@ -247,7 +247,7 @@ class ShardedHDF5Reader(HDF5Reader):
                 )
             self._checked[fname, dset] = info
         whole = self._infos.get(node)
-        every = self._virtual.get(node, [])
+        every = self._virtual_maps.get(node, [])
         if whole is not None and whole.nbytes_on_disk is None and all(
                 (f, d) in self._checked for _, f, d in every):
             infos = [self._checked[f, d] for _, f, d in every]
@@ -259,18 +259,38 @@ class ShardedHDF5Reader(HDF5Reader):
         """Raw words of ``region`` (global coordinates) read straight from the one shard file
         holding all of it, with that file's chunk checks; None when ``node`` is not virtual or
         no single shard holds the region (read through the master then)."""
-        ds = self._dataset(node)
-        dcpl = ds.id.get_create_plist()
-        if dcpl.get_layout() != h5d.VIRTUAL:
-            return None
         want = Box(tuple(s.start for s in region), tuple(s.stop - s.start for s in region))
-        mappings = self._virtual.get(node) or self._mappings(node, dcpl, tuple(ds.shape))
-        for box, fname, dset in mappings:
+        if want.empty:
+            return None
+        for box, fname, dset in self._virtual(node):
             if box.intersect(want) == want:
                 self._check_sources(node, [(box, fname, dset)])
                 return self._source(fname).read(
                     dset.lstrip("/"), Selection.of_region(box.local(region)), fmt, out)
         return None
+
+    def structure_problems(self, node: str) -> list[ChunkProblem]:
+        """A virtual dataset: the problems of each shard file's source dataset, named by it."""
+        mappings = self._virtual(node)
+        if not mappings:
+            return super().structure_problems(node)
+        problems: list[ChunkProblem] = []
+        for _box, fname, dset in mappings:
+            for chunk, message in self._source(fname).structure_problems(dset.lstrip("/")):
+                where = f"{fname}:{dset}" + ("" if chunk is None else f" chunk {chunk}")
+                problems.append((None, f"{where}: {message}"))
+        return problems
+
+    def _virtual(self, node: str) -> list[tuple[Box, str, str]]:
+        """The mappings of virtual dataset ``node`` (parsed once); [] for any other dataset."""
+        found = self._virtual_maps.get(node)
+        if found is None:
+            ds = self._dataset(node)
+            dcpl = ds.id.get_create_plist()
+            found = [] if dcpl.get_layout() != h5d.VIRTUAL else self._mappings(
+                node, dcpl, tuple(ds.shape))
+            self._virtual_maps[node] = found
+        return found
 
     def _mappings(self, node: str, dcpl: Any, shape: tuple[int, ...]
                   ) -> list[tuple[Box, str, str]]:

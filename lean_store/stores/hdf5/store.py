@@ -32,7 +32,15 @@ from ...formats import ScalarFormat
 from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_chunk_shape, chunk_count
 from ...integrity import crc32c_of
 from ...layout import Entry
-from ..base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
+from ..base import (
+    ChunkProblem,
+    Selection,
+    StorageDescription,
+    StoredTensor,
+    StoreReader,
+    StoreWriter,
+    TensorWriter,
+)
 from .blosc import (
     BLOSC_FILTER,
     BloscChunks,
@@ -54,6 +62,7 @@ from .manifest import (
     record_json,
 )
 from .types import hdf5_type, needs_nbit
+from .verify import structure_problems
 
 _FLETCHER32 = Fletcher32()  # HDF5's fletcher32, appended after the chunk as HDF5 stores it
 DEFLATE_THREADS = 2  # shuffle + deflate workers of a compressed HDF5 save
@@ -75,6 +84,7 @@ _FILTER_NAMES = {
     32000: "lzf",
     BLOSC_FILTER: "blosc",
 }
+_CHECKSUM_FILTERS = ("fletcher32", "crc32c")  # what ``describe`` does not call compression
 ALLOWED_FILTERS = {
     h5z.FILTER_DEFLATE, h5z.FILTER_SHUFFLE, h5z.FILTER_FLETCHER32, h5z.FILTER_NBIT, 32000,
     BLOSC_FILTER,  # parameters checked (blosc.check_blosc_filter); read by lean_store
@@ -664,10 +674,21 @@ class HDF5Reader(StoreReader):
         manifest and every process agreed (the verify stage of a sharded load)."""
         self._attrs_checked.add(node)
 
-    def file_type_matches(self, node: str, fmt: ScalarFormat) -> bool:
-        """True when the dataset's HDF5 type is exactly the one lean_store writes for ``fmt``."""
+    def type_mismatch(self, node: str, fmt: ScalarFormat) -> str | None:
+        """None when the dataset's HDF5 type is exactly the one lean_store writes for ``fmt``."""
         ftype = self._types.get(node) or self._dataset(node).id.get_type()
-        return bool(ftype == hdf5_type(fmt))
+        return None if ftype == hdf5_type(fmt) else f"HDF5 datatype does not encode {fmt.tag}"
+
+    def describe(self, node: str) -> StorageDescription:
+        info = self.stored(node)
+        return StorageDescription(
+            chunk_shape=info.chunk_shape, codecs=tuple(info.filters),
+            compression=tuple(f for f in info.filters if f not in _CHECKSUM_FILTERS),
+            stored_bytes=info.nbytes_on_disk,
+        )
+
+    def structure_problems(self, node: str) -> list[ChunkProblem]:
+        return structure_problems(self._dataset(node), self.stored(node))
 
     def read(
         self, node: str, selection: Selection, fmt: ScalarFormat, out: np.ndarray | None = None

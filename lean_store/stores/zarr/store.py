@@ -27,13 +27,22 @@ from ...errors import CheckpointError, CheckpointReplacedError, IntegrityError, 
 from ...formats import ScalarFormat
 from ...layout import Entry
 from ...replacement import PinnedRoot, SaveIdWatch, check_unchanged
-from ..base import Selection, StoredTensor, StoreReader, StoreWriter, TensorWriter
+from ..base import (
+    ChunkProblem,
+    Selection,
+    StorageDescription,
+    StoredTensor,
+    StoreReader,
+    StoreWriter,
+    TensorWriter,
+)
 from .checks import (
     check_zarr_array,
     check_zarr_document,
     check_zarr_key,
     check_zarr_keys_exist,
     check_zarr_present,
+    codec_names,
     read_json_at,
     scan_local_zarr,
     touched_keys,
@@ -51,7 +60,10 @@ from .compat import (
 from .direct_read import DirectReader, direct_read_ok
 from .direct_write import DirectWriter, direct_ok
 from .incremental import linker_for
+from .verify import structure_problems
 
+_COMPRESSOR_NAMES = {"ZstdCodec": "zstd", "GzipCodec": "gzip", "BloscCodec": "blosc"}
+_NOT_COMPRESSION = ("BytesCodec", "Crc32cCodec", "TransposeCodec", "ShardingCodec")
 SHARD_FACTOR = 8  # chunks per shard along the split axis, for tensors above SHARD_MIN_CHUNKS
 SHARD_MIN_CHUNKS = 8
 
@@ -462,8 +474,26 @@ class ZarrReader(StoreReader):
             filters=filters,
         )
 
-    def array_dtype(self, node: str) -> np.dtype:
-        return np.dtype(self._array(node).dtype)
+    def type_mismatch(self, node: str, fmt: ScalarFormat) -> str | None:
+        """None when the array's dtype is the one lean_store writes for ``fmt``."""
+        want = native_dtype(fmt) or fmt.storage_dtype
+        got = np.dtype(self._array(node).dtype)
+        return None if got == want else f"zarr dtype {got} does not encode {fmt.tag}"
+
+    def describe(self, node: str) -> StorageDescription:
+        array = self._array(node)
+        outer, inner = codec_names(array.metadata)
+        codecs = outer if inner is outer else [*outer, *inner]
+        under = self._tree.under(node) if self._tree is not None else None
+        return StorageDescription(
+            chunk_shape=tuple(array.chunks), codecs=tuple(codecs),
+            compression=tuple(_COMPRESSOR_NAMES.get(c, c) for c in inner
+                              if c not in _NOT_COMPRESSION),
+            stored_bytes=None if under is None else sum(under.values()),
+        )
+
+    def structure_problems(self, node: str) -> list[ChunkProblem]:
+        return structure_problems(node, self._array(node), self._tree)
 
     def read(
         self, node: str, selection: Selection, fmt: ScalarFormat, out: np.ndarray | None = None

@@ -1,0 +1,68 @@
+"""What ``verify`` checks in a Zarr array beyond its data: a crc32c codec on every chunk, and
+(local stores) every shard index slot of an inner chunk that overlaps the array filled and
+inside its shard file."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from ..base import ChunkProblem
+from .checks import LocalTree, codec_names, zarr_chunk_keys, zarr_grid
+from .compat import plain_codecs, sharding_document
+
+_EMPTY = (1 << 64) - 1  # a Zarr shard index slot with no chunk
+
+
+def structure_problems(node: str, array: Any, tree: LocalTree | None) -> list[ChunkProblem]:
+    """Structural defects of ``array`` (``tree``: the walk of a local store, else None)."""
+    _outer, inner = codec_names(array.metadata)
+    problems: list[ChunkProblem] = []
+    if "Crc32cCodec" not in inner:
+        problems.append((None, "no per-chunk checksum (crc32c codec missing)"))
+    sharding = [c for c in array.metadata.codecs if type(c).__name__ == "ShardingCodec"]
+    if sharding and tree is not None and math.prod(array.shape):
+        problems.extend(_shard_index_problems(node, array, tree))
+    return problems
+
+
+def _shard_index_problems(node: str, array: Any, tree: LocalTree) -> list[ChunkProblem]:
+    """Read each shard's index (at its end, crc32c-protected) and report empty or
+    out-of-range slots for inner chunks that overlap the array."""
+    config = sharding_document(array) or {}
+    if not plain_codecs(config.get("index_codecs") or []) \
+            or config.get("index_location", "end") != "end":
+        return []
+    shard_shape = zarr_grid(node, array)
+    inner = tuple(int(c) for c in config["chunk_shape"])
+    per_shard = tuple(s // c for s, c in zip(shard_shape, inner))
+    n_slots = math.prod(per_shard)
+    index_bytes = 16 * n_slots + 4
+    problems: list[ChunkProblem] = []
+    for key, coords in zarr_chunk_keys(node, array, len(tree.files)):
+        path = tree.root / key
+        size = path.stat().st_size
+        if size < index_bytes:
+            problems.append((None, f"shard {key!r} is shorter than its index"))
+            continue
+        with path.open("rb") as f:
+            f.seek(size - index_bytes)
+            raw = f.read(index_bytes)
+        body, stored = raw[:-4], int.from_bytes(raw[-4:], "little")
+        if google_crc32c.value(body) != stored:
+            problems.append((None, f"shard {key!r}: index checksum mismatch"))
+            continue
+        table = np.frombuffer(body, dtype="<u8").reshape(n_slots, 2)
+        for slot, (offset, nbytes) in enumerate(table):
+            local = np.unravel_index(slot, per_shard)
+            chunk = tuple(int(s * p + q) for s, p, q in zip(coords, per_shard, local))
+            if any(c * n >= d for c, n, d in zip(chunk, inner, array.shape)):
+                continue  # slot beyond the array's edge: legitimately empty
+            if int(offset) == _EMPTY and int(nbytes) == _EMPTY:
+                problems.append((chunk, f"missing from shard {key!r} (would read as fill)"))
+            elif int(offset) + int(nbytes) > size - index_bytes:
+                problems.append((chunk, f"lies outside shard {key!r}"))
+    return problems
