@@ -16,7 +16,7 @@ import lean_store as ls
 from lean_store.errors import CheckpointError, IntegrityError
 from lean_store.stores.base import StorageDescription, StoredTensor, StoreReader
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lean_store"
 ROWS, COLS = 50, 100  # float32, chunk_bytes=4096 -> 5 chunks of 10 rows
 A = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)

@@ -63,8 +63,7 @@ def _name_branches(path: Path) -> list[str]:
 
 
 # Branches not yet replaced by the record (module: count); the list only shrinks.
-KNOWN_BRANCHES = {"cli.py": 2, "distributed/sharded_save.py": 5, "inspection/verify.py": 1,
-                  "metadata.py": 1}
+KNOWN_BRANCHES = {"cli.py": 2, "distributed/sharded_save.py": 5}
 
 
 def test_no_backend_name_branches_outside_stores() -> None:
