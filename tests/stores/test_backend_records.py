@@ -63,7 +63,7 @@ def _name_branches(path: Path) -> list[str]:
 
 
 # Branches not yet replaced by the record (module: count); the list only shrinks.
-KNOWN_BRANCHES = {"cli.py": 2, "distributed/sharded_save.py": 5}
+KNOWN_BRANCHES = {"distributed/sharded_save.py": 5}
 
 
 def test_no_backend_name_branches_outside_stores() -> None:
