@@ -1,7 +1,8 @@
 """``compression="weights"``: byte shuffle by the word width + zstd in Blosc (Zarr's blosc
 codec, HDF5's Blosc filter 32001), and the plugin-free HDF5 ``compression="weights-gzip"``: HDF5's
-own shuffle + deflate (tests/test_compression_fast.py covers the Blosc files in HDF5). Exact bits for every format, readable by plain h5py/zarr, per-chunk CRCs still checked,
-partial reads still touch only the chunks they need."""
+own shuffle + deflate (tests/core/test_compression_fast.py covers the Blosc files in HDF5). Exact
+bits for every format, readable by plain h5py/zarr, per-chunk CRCs still checked, partial reads
+still touch only the chunks they need."""
 
 from __future__ import annotations
 

@@ -13,10 +13,11 @@ with HDF5's Fletcher-32 after it when that checksum is on.
 
 HDF5 cannot apply a filter it has not loaded, so lean_store writes the chunks itself, and
 reads them itself (:func:`read_blosc_chunk`: one ``pread`` at the chunk's file offset, or
-``H5Dread_chunk``, then numcodecs): neither needs ``hdf5plugin``. h5py with ``import hdf5plugin``, and h5dump or any HDF5 tool given
-``HDF5_PLUGIN_PATH`` to hdf5plugin's ``plugins`` folder, read the same files through the filter
-(``tests/core/test_compression_fast.py``); ``compression="weights-gzip"`` keeps to filters built
-into every HDF5 library.
+``H5Dread_chunk``, then numcodecs): neither needs ``hdf5plugin``. h5py with
+``import hdf5plugin``, and h5dump or any HDF5 tool given ``HDF5_PLUGIN_PATH`` to hdf5plugin's
+``plugins`` folder, read the same files through the filter
+(``tests/core/test_compression_fast.py``); ``compression="weights-gzip"`` keeps to filters
+built into every HDF5 library.
 """
 
 from __future__ import annotations
