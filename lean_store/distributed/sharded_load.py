@@ -20,11 +20,10 @@ from typing import Any
 from ..chunking import DEFAULT_CHUNK_BYTES, iter_regions, plan_chunks
 from ..errors import CheckpointError
 from ..stores.base import Selection
-from .collective import Collective
+from .collective import Collective, stage
 from .dtensor_blocks import check_target_cover
 from .local_state import Piece, layout_of, local_pieces, strided_boxes
 from .shard_spec import Box, reads_for
-from .sharded_save import agree
 
 
 def stored_boxes(ck: Any, name: str) -> list[Box]:
@@ -72,13 +71,12 @@ def load(
     from ..checkpoint import Checkpoint, LoadResult, warn_skipped
 
     comm = Collective(process_group)
-    error: BaseException | None = None
     ck = None
     pieces: list[Piece] = []
     names: list[str] = []
     result = LoadResult()
     try:
-        try:
+        with stage(comm) as st:  # 1. validate
             pieces = local_pieces(target)
             expected = layout_of(pieces)
             ck = Checkpoint(path)
@@ -89,21 +87,16 @@ def load(
                 missing=[n for n in expected.names() if n not in ck.layout],
                 unexpected=[n for n in ck.layout.names() if n not in expected],
             )
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
-            error = exc
-        check_target_cover(agree(comm, error, strided_boxes(pieces)))
+            st.share(strided_boxes(pieces))
+        check_target_cover(st.shared)
         assert ck is not None
-        if verify:
+        if verify:  # 2. verify
             verify_shards(ck, names, comm)
-        error = None
-        try:
+        with stage(comm):  # 3. install
             by_name = {p.name: p for p in pieces}
             for name in names:
                 install_piece(ck, by_name[name], stored_boxes(ck, name), block_bytes)
                 result.loaded.append(name)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-        agree(comm, error)
     finally:
         if ck is not None:
             ck.close()
@@ -114,13 +107,9 @@ def load(
 def verify_shards(ck: Any, names: list[str], comm: Collective) -> None:
     """Check every stored shard's digest of ``names``, each shard by one rank, round robin;
     every rank raises if any rank found a problem."""
-    error = None
-    try:
+    with stage(comm):
         for name, k in _verify_units(ck, names)[comm.rank :: comm.size]:
             _verify(ck, name, k)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
-        error = exc
-    agree(comm, error)
 
 
 def install_piece(ck: Any, piece: Piece, stored: list[Box], block_bytes: int) -> None:
