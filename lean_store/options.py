@@ -79,8 +79,8 @@ FIELDS = tuple(f.name for f in dataclasses.fields(SaveOptions))
 def merge_options(options: SaveOptions | None, base: SaveOptions | None = None,
                   **keywords: Any) -> SaveOptions:
     """One ``SaveOptions`` from ``options=`` and the keywords of the same names (None: not
-    given). ``base`` (e.g. a Checkpointer's) applies where neither says otherwise; a keyword
-    overrides ``base`` but may not be given together with ``options`` for the same field."""
+    given). ``base`` (e.g. a Checkpointer's) applies when ``options`` is None; a keyword
+    overrides ``base``, and adds to ``options``, but may not set a field ``options`` sets."""
     unknown = sorted(set(keywords) - set(FIELDS))
     if unknown:
         raise CheckpointError(f"unknown save options {unknown}; SaveOptions has {list(FIELDS)}")
@@ -94,13 +94,13 @@ def merge_options(options: SaveOptions | None, base: SaveOptions | None = None,
             f"options must be a lean_store.SaveOptions, got {type(base).__name__}"
         )
     if options is not None:
-        both = [name for name in FIELDS if name in given]
+        both = [name for name in FIELDS if name in given and name in options.given()]
         if both:
             raise CheckpointError(
                 f"save option {', '.join(both)} given both as a keyword and in options=; "
                 "pass each option one way"
             )
-        return options
+        return options.replace(**given)
     return (base or SaveOptions()).replace(**given)
 
 
