@@ -251,6 +251,12 @@ def scenario_options(rank: int, world: int, out: Path) -> dict:
                                                        snapshot="host"))
     rec["both_ways"] = outcome(lambda: ls.save(sharded(), out / "no6.zarr", chunk_bytes=4096,
                                                options=SaveOptions(chunk_bytes=8192)))
+    torch.manual_seed(5)  # the same replicated model on every rank
+    model = torch.nn.Linear(64, 64)
+    handle = ls.save_training(out / "train.zarr", model=model, step=2, chunk_bytes=4096,
+                              process_group=torch.distributed.group.WORLD, blocking=False)
+    rec["train_handle"] = type(handle).__name__
+    handle.wait()
     return rec
 
 
@@ -304,6 +310,21 @@ def test_sharded_progress_draws_a_bar_per_rank(sharded_world) -> None:
     for rank, rec in enumerate(recs):
         assert rec["progress"]["type"] is None
         assert f"(rank {rank})" in rec["progress_text"]
+
+
+def test_sharded_training_save_takes_options_and_blocking(sharded_world) -> None:
+    torch = require_torch()
+    out, recs = sharded_world
+    assert [rec["train_handle"] for rec in recs] == ["SaveHandle", "SaveHandle"]
+    with ls.open(out / "train.zarr") as ck:
+        assert ck["model/weight"].chunks == (16, 64)
+    torch.manual_seed(5)
+    model = torch.nn.Linear(64, 64)
+    expected = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    assert ls.load_training(out / "train.zarr", model=model, rng=False).step == 2
+    assert torch.equal(model.weight, expected)
 
 
 @pytest.mark.parametrize("key, field", [("buffer_bytes", "buffer_bytes"),
