@@ -66,13 +66,13 @@ def write(
         refuse(options, ("snapshot",), "blocking saves", "it sets how blocking=False copies the "
                "state")
     if sharded:
-        from .distributed.sharded_save import FrozenPieces
+        from .distributed.sharded_save import FrozenPieces, check_options
         from .distributed.sharded_save import save as sharded_save
 
         if blocking:
             return sharded_save(state, path, process_group=process_group, backend=backend,
                                 options=options, kind=kind, extra_root=extra_root)
-        refuse(options, ("storage_options",), "sharded saves")  # before the snapshot is taken
+        check_options(path, backend, options)  # here, not only at wait()
         frozen = FrozenPieces(state, options.snapshot)
         return SaveHandle(path, lambda: sharded_save(
             frozen, path, process_group=process_group, backend=backend, options=options,

@@ -247,6 +247,10 @@ def scenario_options(rank: int, world: int, out: Path) -> dict:
                                                   buffer_bytes=1 << 20))
     rec["storage_options"] = outcome(lambda: ls.save(sharded(), "file://" + str(out / "no4.zarr"),
                                                      storage_options={"auto_mkdir": True}))
+    rec["bg_buffer_bytes"] = outcome(lambda: ls.save(sharded(), out / "no7.zarr",
+                                                     blocking=False, buffer_bytes=1 << 20))
+    rec["bg_checksum"] = outcome(lambda: ls.save(sharded(), out / "no8.h5", blocking=False,
+                                                 checksum="crc32c"))
     rec["snapshot_blocking"] = outcome(lambda: ls.save(sharded(), out / "no5.zarr",
                                                        snapshot="host"))
     rec["both_ways"] = outcome(lambda: ls.save(sharded(), out / "no6.zarr", chunk_bytes=4096,
@@ -330,6 +334,8 @@ def test_sharded_training_save_takes_options_and_blocking(sharded_world) -> None
 @pytest.mark.parametrize("key, field", [("buffer_bytes", "buffer_bytes"),
                                         ("storage_options", "storage_options"),
                                         ("snapshot_blocking", "snapshot"),
+                                        ("bg_buffer_bytes", "buffer_bytes"),
+                                        ("bg_checksum", "checksum"),
                                         ("both_ways", "chunk_bytes")])
 def test_sharded_refusals_name_the_option(sharded_world, key: str, field: str) -> None:
     out, recs = sharded_world

@@ -72,7 +72,7 @@ def save(
     ``state`` may also be :class:`FrozenPieces` (a snapshot taken by a background save).
     Options a sharded save cannot honour (:data:`REFUSED`) raise on every rank."""
     options = options or SaveOptions()
-    refuse(options, REFUSED, "sharded saves")
+    check_options(path, backend, options)  # the same on every rank: all raise, before agreeing
     comm = Collective(process_group)
     chunk_bytes = DEFAULT_CHUNK_BYTES if options.chunk_bytes is None else options.chunk_bytes
     compression = options.compression
@@ -81,7 +81,6 @@ def save(
     pieces: list[Piece] = []
     with stage(comm) as st:
         backend = backend_for(path, backend)
-        _check_checksum(backend, options.checksum)
         if backend == "hdf5":
             hdf5_sharded.require_local(path)
         pieces = state.pieces() if isinstance(state, FrozenPieces) else local_pieces(state)
@@ -145,10 +144,15 @@ credentials from the environment (``AWS_ENDPOINT_URL``, ...). ``snapshot`` appli
 ``blocking=False`` saves (see :class:`FrozenPieces`)."""
 
 
-def _check_checksum(backend: str, checksum: str | None) -> None:
-    """HDF5 shard files always keep HDF5's fletcher32 filter besides the CRC-32C table (whole
-    tensors are read through the master's virtual datasets, where only HDF5's own filter is
-    checked); Zarr's chunk checksum is its crc32c codec."""
+def check_options(path: Any, backend: str | None, options: SaveOptions) -> None:
+    """Raise for a save option a sharded save of ``path`` cannot honour: :data:`REFUSED`, and
+    a ``checksum`` other than the backend's. HDF5 shard files always keep HDF5's fletcher32
+    filter besides the CRC-32C table (whole tensors are read through the master's virtual
+    datasets, where only HDF5's own filter is checked); Zarr's chunk checksum is its crc32c
+    codec."""
+    refuse(options, REFUSED, "sharded saves")
+    backend = backend_for(path, backend)
+    checksum = options.checksum
     allowed = (None, "fletcher32+crc32c") if backend == "hdf5" else (None, "crc32c")
     if checksum not in allowed:
         raise CheckpointError(
