@@ -100,9 +100,8 @@ def _save(path: Any, kind: str, build: dict[str, Any], *, backend: str | None,
         extra_root = training_root(text)
     else:
         tensors, extra_root = single_training_state(**build)
-    return write(tensors, path, kind=kind, sharded=sharded, blocking=blocking,
-                     options=options, backend=backend, process_group=process_group,
-                     extra_root=extra_root)
+    return write(tensors, path, kind=kind, sharded=sharded, blocking=blocking, options=options,
+                 backend=backend, process_group=process_group, extra_root=extra_root)
 
 
 def load_optimizer(
