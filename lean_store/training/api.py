@@ -36,7 +36,13 @@ def save_optimizer(
     process_group: Any = None,
     blocking: bool = True,
     options: SaveOptions | None = None,
-    **option_keywords: Any,
+    chunk_bytes: int | None = None,
+    compression: Any = None,
+    checksum: str | None = None,
+    progress: Any = None,
+    buffer_bytes: int | None = None,
+    snapshot: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Layout | SaveHandle:
     """Save an optimizer's state (moments, steps, hyperparameters, parameter names) and, with
     ``rng=True``, the global RNG states. Parameter names come from ``model`` when given, else
@@ -46,10 +52,13 @@ def save_optimizer(
     :func:`lean_store.save`: ``options=SaveOptions(...)`` or the keywords ``chunk_bytes``,
     ``compression``, ``checksum``, ``progress``, ``buffer_bytes``, ``snapshot``,
     ``storage_options``; ``blocking=False`` returns a :class:`SaveHandle`."""
+    opts = merge_options(options, chunk_bytes=chunk_bytes, compression=compression,
+                         checksum=checksum, progress=progress, buffer_bytes=buffer_bytes,
+                         snapshot=snapshot, storage_options=storage_options)
     return _save(path, "optimizer", dict(model=None, names_model=model, optimizer=optimizer,
                                          rng=rng, generators=generators),
                  backend=backend, process_group=process_group, blocking=blocking,
-                 options=merge_options(options, **option_keywords))
+                 options=opts)
 
 
 def save_training(
@@ -67,7 +76,13 @@ def save_training(
     process_group: Any = None,
     blocking: bool = True,
     options: SaveOptions | None = None,
-    **option_keywords: Any,
+    chunk_bytes: int | None = None,
+    compression: Any = None,
+    checksum: str | None = None,
+    progress: Any = None,
+    buffer_bytes: int | None = None,
+    snapshot: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Layout | SaveHandle:
     """Save one complete training checkpoint, committed atomically.
 
@@ -81,11 +96,14 @@ def save_training(
     """
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise CheckpointError(f"step must be a non-negative int or None, got {step!r}")
+    opts = merge_options(options, chunk_bytes=chunk_bytes, compression=compression,
+                         checksum=checksum, progress=progress, buffer_bytes=buffer_bytes,
+                         snapshot=snapshot, storage_options=storage_options)
     return _save(path, "training", dict(model=model, names_model=model, optimizer=optimizer,
                                         scheduler=scheduler, step=step, rng=rng, data=data,
                                         extra=extra, generators=generators),
                  backend=backend, process_group=process_group, blocking=blocking,
-                 options=merge_options(options, **option_keywords))
+                 options=opts)
 
 
 def _save(path: Any, kind: str, build: dict[str, Any], *, backend: str | None,

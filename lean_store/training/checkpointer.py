@@ -53,10 +53,14 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = None,
                  backend: str = "hdf5", create: bool = True,
                  process_group: Any = None, incremental: bool = False,
-                 options: SaveOptions | None = None, **option_keywords: Any) -> None:
+                 options: SaveOptions | None = None,
+                 chunk_bytes: int | None = None, compression: Any = None,
+                 checksum: str | None = None, progress: Any = None,
+                 buffer_bytes: int | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         """``options`` (or the :class:`SaveOptions` keywords, e.g. ``compression=``) apply to
         every step; one ``save`` may override a field with its keyword, or all with its own
-        ``options``."""
+        ``options``. Its saves block, so there is no ``snapshot``."""
         if backend not in BACKENDS:
             raise CheckpointError(f"unknown backend {backend!r}; use one of {BACKENDS}")
         if incremental and backend != "zarr":
@@ -72,7 +76,9 @@ class Checkpointer:
             not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
         ):
             raise CheckpointError(f"keep_last must be a positive int or None, got {keep_last!r}")
-        self.options = merge_options(options, **option_keywords)
+        self.options = merge_options(
+            options, chunk_bytes=chunk_bytes, compression=compression, checksum=checksum,
+            progress=progress, buffer_bytes=buffer_bytes, storage_options=storage_options)
         if self.options.snapshot != SaveOptions().snapshot:
             raise CheckpointError("save option snapshot is not supported by Checkpointer: "
                                   "its saves block (the step is committed before pruning)")
@@ -124,11 +130,16 @@ class Checkpointer:
     def save(self, step: int, *, model: Any, optimizer: Any = None, scheduler: Any = None,
              rng: bool = True, data: Any = None, extra: Any = None,
              generators: Mapping[str, Any] | None = None, overwrite: bool = False,
-             options: SaveOptions | None = None, **option_keywords: Any) -> Path:
+             options: SaveOptions | None = None, chunk_bytes: int | None = None,
+             compression: Any = None, checksum: str | None = None, progress: Any = None,
+             buffer_bytes: int | None = None,
+             storage_options: dict[str, Any] | None = None) -> Path:
         """Write ``step`` atomically, then drop the oldest steps beyond ``keep_last``.
         Save options: the Checkpointer's, with this call's keywords (``compression=``,
         ``chunk_bytes=``, ...) overriding them, or this call's ``options`` instead."""
-        opts = merge_options(options, self.options, **option_keywords)
+        opts = merge_options(options, self.options, chunk_bytes=chunk_bytes,
+                             compression=compression, checksum=checksum, progress=progress,
+                             buffer_bytes=buffer_bytes, storage_options=storage_options)
         comm = self._comm(model, optimizer)
         if comm is not None:
             return self._save_sharded(comm, step, model=model, optimizer=optimizer,
