@@ -8,7 +8,9 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "lean_store"
+import lean_store
+
+PACKAGE = Path(lean_store.__file__).resolve().parent
 
 API_LAYER = {"lean_store", "lean_store.api", "lean_store.training", "lean_store.training.api",
              "lean_store.training.checkpointer"}
