@@ -152,13 +152,16 @@ def check_options(path: Any, backend: str | None, options: SaveOptions) -> None:
     codec."""
     refuse(options, REFUSED, "sharded saves")
     backend = backend_for(path, backend)
-    checksum = options.checksum
-    allowed = (None, "fletcher32+crc32c") if backend == "hdf5" else (None, "crc32c")
-    if checksum not in allowed:
+    honoured = _SHARDED_STORES[backend].CHECKSUM
+    if options.checksum not in (None, honoured):
         raise CheckpointError(
-            f"save option checksum={checksum!r} is not supported by sharded {backend} saves; "
-            f"they use {allowed[1]!r}"
+            f"save option checksum={options.checksum!r} is not supported by sharded {backend} "
+            f"saves; they use {honoured!r}"
         )
+
+
+_SHARDED_STORES = {"hdf5": hdf5_sharded, "zarr": zarr_sharded}
+"""Each backend's sharded layout module (stores/<backend>/sharded.py)."""
 
 
 class FrozenPieces:

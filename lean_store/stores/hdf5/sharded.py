@@ -33,6 +33,8 @@ from .store import HDF5Reader, HDF5Writer, from_hdf5_attr, to_hdf5_attr
 from .types import hdf5_type, storage_kind
 
 MASTER_NAME = "lean_store.h5"
+CHECKSUM = "fletcher32+crc32c"
+"""The checksum of every shard file (the ``checksum`` save option a sharded save honours)."""
 MASTER_LIBVER = ("v108", "v110")  # virtual datasets need the 1.10 format; h5dump 1.10 reads it
 _SHARD_FILE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.h5$")
 _SOURCE_DSET = re.compile(r"^/t(\d{6})-s(\d{5})$")
@@ -52,7 +54,7 @@ def open_rank_writer(work: str, rank: int, world: int, chunk_bytes: int, compres
     Shard files keep HDF5's fletcher32 filter besides the chunk_crc32c table: whole tensors
     are read through the master's virtual datasets, where only HDF5's own filter is checked."""
     return HDF5Writer(Path(work) / shard_file_name(rank, world), chunk_bytes=chunk_bytes,
-                      compression=compression, checksum="fletcher32+crc32c")
+                      compression=compression, checksum=CHECKSUM)
 
 
 def shard_entry(plan: TensorPlan, k: int, box: Box) -> Entry:

@@ -29,6 +29,9 @@ from .store import (
     stored_shape,
 )
 
+CHECKSUM = "crc32c"
+"""The chunk checksum codec (the ``checksum`` save option a sharded save honours)."""
+
 
 def chunk_plan(plan: TensorPlan, chunk_bytes: int, *, always_aligned: bool = False) -> ChunkPlan:
     """The chunk shape of one tensor. ``always_aligned``: never give up alignment, however small
