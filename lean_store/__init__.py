@@ -8,10 +8,11 @@
 ...     ck["layer.weight"][10:20]
 """
 
-from . import distributed, formats
+from . import distributed, formats, training
 from ._version import __version__ as __version__
-from .async_save import SaveHandle, save_async
-from .checkpoint import Checkpoint, LoadResult, TensorHandle, load, load_state, open, save
+from .api import load, save, save_async
+from .async_save import SaveHandle
+from .checkpoint import Checkpoint, LoadResult, TensorHandle, load_state, open
 from .encoded import Encoded
 from .errors import (
     CheckpointError,
@@ -27,8 +28,11 @@ from .errors import (
 from .formats import ScalarFormat
 from .inspection.verify import Problem, VerifyReport, verify
 from .layout import Difference, Entry, Layout
-from .training.checkpointer import Checkpointer
-from .training.state import (
+from .options import SaveOptions
+
+# the training verbs live in lean_store.training; these are their root aliases
+from .training import (
+    Checkpointer,
     TrainingInfo,
     load_optimizer,
     load_training,
@@ -52,6 +56,7 @@ __all__ = [
     "LoadResult",
     "SaveHandle",
     "SaveIOError",
+    "SaveOptions",
     "ScalarFormat",
     "TensorHandle",
     "TrainingInfo",
@@ -59,6 +64,7 @@ __all__ = [
     "UnsupportedValueError",
     "distributed",
     "formats",
+    "training",
     "load",
     "load_optimizer",
     "load_state",

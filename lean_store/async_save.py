@@ -31,7 +31,7 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 # ThreadPoolExecutor: imported (so concurrent.futures registers its exit hook) before ours
 from concurrent.futures import Future, ThreadPoolExecutor  # noqa: F401
@@ -39,14 +39,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from .encoded import Encoded
 from .errors import CheckpointError
 from .layout import Layout
-
-SNAPSHOTS = ("auto", "device", "host", "none")
-
+from .naming import check_names
+from .options import SaveOptions, refuse
+from .snapshot import snapshot_of
+from .sources import tensor_source
+from .stores.registry import backend_for, backend_record
+from .stores.target import check_replaceable
+from .writing import write_source
 
 _LOCK = threading.Lock()
 _RUNNING: dict[int, tuple[threading.Thread, Path]] = {}  # saves in progress, by handle number
@@ -174,55 +175,25 @@ class SaveHandle:
         return f"<lean_store.SaveHandle {str(self.path)!r} {state}>"
 
 
-def snapshot_of(obj: Any, mode: str) -> Any:
-    """A frozen copy of the state of ``obj`` (see the module docstring for ``mode``)."""
-    if mode not in SNAPSHOTS:
-        raise CheckpointError(f"unknown snapshot {mode!r}; use one of {SNAPSHOTS}")
-    if mode == "none":
-        return obj
-    from .sources import is_torch_state
-
-    if is_torch_state(obj):
-        from .sources.torch_source import snapshot_state
-
-        return snapshot_state(obj, mode)
-    if not isinstance(obj, Mapping):
-        return obj  # tensor_source has already rejected it
-    out: dict[str, Any] = {}
-    for name, value in obj.items():
-        if isinstance(value, Encoded):
-            out[name] = Encoded(value.bits.copy(), value.format)
-        elif isinstance(value, (np.ndarray, np.generic)):
-            out[name] = np.array(value, copy=True)
-        else:
-            out[name] = value
-    return out
-
-
-def save_async(
+def start(
     obj: Any,
     path: str | os.PathLike,
     *,
+    kind: str,
+    extra_root: dict[str, Any] | None = None,
     backend: str | None = None,
-    chunk_bytes: int | None = None,
-    compression: Any = None,
-    progress: Any = None,
-    buffer_bytes: int | None = None,
-    snapshot: str = "auto",
-    checksum: str | None = None,
+    options: SaveOptions,
 ) -> SaveHandle:
-    """Snapshot ``obj`` and save it in a background thread; returns a :class:`SaveHandle`.
+    """Snapshot ``obj`` (``options.snapshot``) and save it in a background thread; returns a
+    :class:`SaveHandle`. The API layer (:func:`lean_store.save` with ``blocking=False``) calls it.
 
     Bad input (names, formats, backend, a missing directory, a target that is not a lean_store
     checkpoint) raises here, before any thread starts; write errors are raised by
     ``handle.wait()``. The target path is replaced atomically when the write commits, as with
-    :func:`lean_store.save`.
+    a blocking save.
     """
-    from .naming import check_names
-    from .sources import tensor_source
-    from .stores.registry import backend_for, backend_record
-    from .writing import write_source
-
+    refuse(options, ("storage_options",), "background (blocking=False) saves",
+           "set the AWS environment variables instead")
     source = tensor_source(obj)  # validates formats and names before copying anything
     if len(source.layout) == 0:
         raise CheckpointError("nothing to save: the state has no tensors")
@@ -231,21 +202,15 @@ def save_async(
     parent = Path(path).parent
     if not parent.is_dir():
         raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
-    from .stores.target import check_replaceable
-
     # a foreign path: refused here
     check_replaceable(path, directory=backend_record(backend).directory)
-    kind = "module" if callable(getattr(obj, "state_dict", None)) else "state"
-    frozen = tensor_source(snapshot_of(obj, snapshot))
+    frozen = tensor_source(snapshot_of(obj, options.snapshot))
 
     def run() -> Layout:
-        return write_source(
-            frozen, path, kind=kind, backend=backend, chunk_bytes=chunk_bytes,
-            compression=compression, progress=progress, buffer_bytes=buffer_bytes,
-            checksum=checksum,
-        )
+        return write_source(frozen, path, kind=kind, backend=backend, options=options,
+                            extra_root=extra_root)
 
     return SaveHandle(path, run)
 
 
-__all__ = ["SNAPSHOTS", "SaveHandle", "save_async", "snapshot_of"]
+__all__ = ["SaveHandle", "start"]

@@ -1,9 +1,10 @@
-"""save / load / load_state / open: source -> layout -> validate -> stream -> store, and back."""
+"""Reading: ``open`` (a validated ``Checkpoint``), ``load`` (single process, in place) and
+``load_state``: store -> validate -> stream -> target. Saving lives in :mod:`lean_store.api`
+(the API layer) and :mod:`lean_store.writing` (the save pipeline)."""
 
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,78 +33,12 @@ from .progress import make_progress
 from .sources import TargetTensor, tensor_source, tensor_targets
 from .stores.base import ChunkProblem, Selection, StorageDescription, StoredTensor
 from .stores.registry import open_reader
-from .writing import OVERLAP_CRC_BYTES, write_source
+from .writing import OVERLAP_CRC_BYTES
 
 OPEN_ATTEMPTS = 3
 """Times ``open``, ``load`` and ``load_state`` start over when a save replaces the checkpoint
 while they read it."""
 T = TypeVar("T")
-
-
-# ----------------------------------------------------------------------------------- saving
-
-
-def save(
-    obj: Any,
-    path: str | os.PathLike,
-    *,
-    backend: str | None = None,
-    chunk_bytes: int | None = None,
-    compression: Any = None,
-    progress: Any = None,
-    blocking: bool = True,
-    buffer_bytes: int | None = None,
-    snapshot: str = "auto",
-    process_group: Any = None,
-    checksum: str | None = None,
-    storage_options: dict[str, Any] | None = None,
-) -> Any:
-    """Save a torch module, a state dict, or a mapping of arrays/``Encoded`` to HDF5 or Zarr.
-
-    The checkpoint is written to a hidden temporary sibling and renamed into place only when
-    complete, so ``path`` holds either the previous checkpoint or the new one, never a mix.
-    Returns the :class:`Layout` written. The state streams one write unit at a time; device
-    tensors go through at most ``buffer_bytes`` (default 64 MiB) of reusable host buffers.
-    ``progress``: True for a bar on a terminal, a stream to draw it there, None (default) for
-    a bar only on a terminal and for big jobs. ``blocking=False`` snapshots the state (see
-    :mod:`lean_store.async_save` for ``snapshot``) and returns a ``SaveHandle`` at once.
-    With ``process_group`` (or DTensors / ``LocalShard`` values in the state) every rank
-    calls ``save`` and writes only its own shards: see :mod:`lean_store.distributed`.
-    ``checksum`` (HDF5 only): ``"crc32c"`` (default: a CRC-32C per chunk in the attribute
-    ``chunk_crc32c``) or ``"fletcher32+crc32c"`` (adds HDF5's fletcher32 filter, which h5py
-    and h5dump verify natively, at a cost in throughput).
-    ``path`` may be an fsspec URL (``s3://bucket/run/step.zarr``): a Zarr checkpoint written
-    under a new prefix and committed by its root ``zarr.json``, written last; endpoint and
-    credentials come from ``storage_options`` or the standard environment (``AWS_ENDPOINT_URL``,
-    ``AWS_ACCESS_KEY_ID``, ...).
-    """
-    from .distributed import wants_sharded
-
-    if storage_options is not None and (not blocking or wants_sharded(obj, process_group)):
-        raise CheckpointError("storage_options is supported by blocking single-process saves; "
-                              "for sharded or async saves set the AWS environment variables")
-
-    if wants_sharded(obj, process_group):
-        from .distributed.sharded_save import save as sharded_save
-
-        return sharded_save(obj, path, process_group=process_group, backend=backend,
-                            chunk_bytes=chunk_bytes, compression=compression)
-    if not blocking:
-        from .async_save import save_async
-
-        return save_async(
-            obj, path, backend=backend, chunk_bytes=chunk_bytes, compression=compression,
-            progress=progress, buffer_bytes=buffer_bytes, snapshot=snapshot, checksum=checksum,
-        )
-    source = tensor_source(obj)
-    if len(source.layout) == 0:
-        raise CheckpointError("nothing to save: the state has no tensors")
-    kind = "module" if callable(getattr(obj, "state_dict", None)) else "state"
-    return write_source(
-        source, path, kind=kind, backend=backend, chunk_bytes=chunk_bytes,
-        compression=compression, progress=progress, buffer_bytes=buffer_bytes, checksum=checksum,
-        storage_options=storage_options,
-    )
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -629,7 +564,6 @@ def load(
     cast: Mapping[str, Any] | None = None,
     verify: bool = True,
     progress: Any = None,
-    process_group: Any = None,
     strict_order: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> LoadResult:
@@ -642,18 +576,10 @@ def load(
     Tensors are matched by name, so a file whose tensors are in another order (a converted
     safetensors file is sorted by name) loads; ``strict_order=True`` also requires the file's
     tensors to be in the target's order.
-    With ``process_group`` (or DTensors / ``LocalShard`` values in the target) every rank
-    reads only the regions of its own shards, from a checkpoint saved by any number of ranks.
+    This is the single-process load; :func:`lean_store.load` (the API layer) sends sharded
+    loads (a ``process_group``, or DTensors / ``LocalShard`` values) to
+    :mod:`lean_store.distributed` instead.
     """
-    from .distributed import wants_sharded
-
-    if wants_sharded(target, process_group):
-        if cast or storage_options is not None:
-            raise CheckpointError("cast and storage_options are not supported by sharded loads")
-        from .distributed.sharded_load import load as sharded_load
-
-        return sharded_load(target, path, process_group=process_group, strict=strict,
-                            verify=verify, strict_order=strict_order)
     casts = _casts(cast)
     targets = tensor_targets(target)
     target_layout = Layout.from_specs(
@@ -796,6 +722,4 @@ def _devices_of(like: Any) -> dict[str, Any]:
     }
 
 
-__all__ = [
-    "Checkpoint", "LoadResult", "OnError", "TensorHandle", "load", "load_state", "open", "save",
-]
+__all__ = ["Checkpoint", "LoadResult", "OnError", "TensorHandle", "load", "load_state", "open"]

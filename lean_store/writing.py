@@ -13,6 +13,7 @@ from .integrity import crc32c_combine, crc32c_of
 from .layout import Entry, Layout, stored_rank_shape
 from .metadata import root_attrs, tensor_attrs
 from .naming import check_names
+from .options import SaveOptions, merge_options
 from .progress import make_progress
 from .sources import TensorSource
 from .stores.registry import backend_for, backend_record, open_writer
@@ -28,10 +29,11 @@ def write_source(
     *,
     kind: str,
     backend: str | None = None,
+    options: SaveOptions | None = None,
+    extra_root: dict[str, Any] | None = None,
     chunk_bytes: int | None = None,
     compression: Any = None,
-    progress: Any = False,
-    extra_root: dict[str, Any] | None = None,
+    progress: Any = None,
     buffer_bytes: int | None = None,
     checksum: str | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -41,9 +43,15 @@ def write_source(
     One write unit at a time: host tensors as zero-copy views, device tensors through the
     pooled host buffers of :func:`lean_store.stream.staged` (at most ``buffer_bytes``, default
     64 MiB, or one write unit if that is larger), copied ahead while the store writes.
-    ``checksum`` (HDF5): ``"crc32c"`` (default, a per-chunk table) or ``"fletcher32+crc32c"``
-    (also HDF5's native fletcher32 filter, slower; see docs/PERFORMANCE.md).
+    The save options come as ``options`` or as keywords (see :class:`SaveOptions`);
+    ``snapshot`` does not apply here (nothing is copied first).
     """
+    opts = merge_options(options, chunk_bytes=chunk_bytes, compression=compression,
+                         progress=progress, buffer_bytes=buffer_bytes, checksum=checksum,
+                         storage_options=storage_options)
+    chunk_bytes, compression, progress = opts.chunk_bytes, opts.compression, opts.progress
+    buffer_bytes, checksum, storage_options = opts.buffer_bytes, opts.checksum, \
+        opts.storage_options
     layout = source.layout
     check_names(layout.names())
     backend = backend_for(path, backend)

@@ -6,6 +6,7 @@ without ``process_group`` (the default group is used). Each rank writes only its
 into the shared store (Zarr: one array per tensor, chunks aligned to shard boundaries; HDF5: one
 file per rank plus a master file of virtual datasets), and reads back only the regions its new
 shards need. ``ls.open`` reads a sharded checkpoint as whole tensors in a single process.
+Whether a call is sharded is decided by the API layer (:func:`lean_store.api.is_sharded`).
 See docs/SHARDING.md. torch is imported only when a sharded operation runs.
 """
 
@@ -13,13 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .local_state import LocalShard, holds_shards
+from .local_state import LocalShard
 from .shard_spec import Box, ShardSpec, check_coverage, coverage_problems
-
-
-def wants_sharded(obj: Any, process_group: Any = None) -> bool:
-    """True when a save/load of ``obj`` must go through the sharded path."""
-    return process_group is not None or holds_shards(obj)
 
 
 def training_state(model: Any, optimizer: Any = None) -> dict[str, Any]:
@@ -40,5 +36,5 @@ def init_optimizer_state(optimizer: Any) -> None:
 
 __all__ = [
     "Box", "LocalShard", "ShardSpec", "check_coverage", "coverage_problems",
-    "init_optimizer_state", "training_state", "wants_sharded",
+    "init_optimizer_state", "training_state",
 ]

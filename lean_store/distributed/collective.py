@@ -3,15 +3,16 @@
 Metadata travels as UTF-8 JSON in uint8 tensors (never pickle): ``all_gather_json`` is an
 all_gather of lengths, then of padded bytes. ``agree`` is the one place where ranks compare
 outcomes: every rank reports success or its error, and if any failed, every rank raises the
-same error (type and message of the lowest failing rank).
+same error (type and message of the lowest failing rank). ``stage`` wraps one step of a sharded
+operation around it: a rank tries the step, its error is recorded, all ranks agree.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
-
-import lean_store.errors as errors
 
 from ..errors import CheckpointError
 
@@ -90,10 +91,69 @@ def _message(error: BaseException) -> str:
 
 
 def _error_class(name: str) -> type[CheckpointError]:
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, CheckpointError):
-        return cls
+    """The CheckpointError subclass called ``name`` (a failing rank's error type), else
+    ShardedError."""
+    pending: list[type[CheckpointError]] = [CheckpointError]
+    while pending:
+        cls = pending.pop()
+        if cls.__name__ == name:
+            return cls
+        pending.extend(cls.__subclasses__())
     return ShardedError
 
 
-__all__ = ["Collective", "ShardedError"]
+def agree(comm: Collective, error: BaseException | None, payload: Any = None) -> list[Any]:
+    """``comm.agree``, turning a broken collective (a dead peer, a timeout) into a
+    CheckpointError so every surviving rank reports the failure the same way."""
+    try:
+        return comm.agree(error, payload)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.distributed raises RuntimeError and others
+        raise ShardedError(
+            f"rank {comm.rank}: the process group failed during a sharded checkpoint operation "
+            f"({type(exc).__name__}: {exc}); nothing was committed"
+        ) from exc
+
+
+class Stage:
+    """One step of a sharded operation on this rank: what it shares with the others."""
+
+    def __init__(self) -> None:
+        self._payload: Any = None
+        self.shared: list[Any] = []
+        """Every rank's shared payload, in rank order, once the stage has ended."""
+
+    def share(self, payload: Any) -> None:
+        """Hand ``payload`` (JSON) to every rank when the stage ends."""
+        self._payload = payload
+
+
+@contextmanager
+def stage(comm: Collective) -> Iterator[Stage]:
+    """Run a step on every rank, then agree: an ``Exception`` raised in the block is recorded
+    and, like any other rank's failure, raised on every rank as the same error; on success
+    ``st.shared`` holds every rank's ``st.share(...)`` payload.
+
+    >>> with stage(comm) as st:
+    ...     st.share(describe(pieces))
+    >>> descriptions = st.shared
+    """
+    st = Stage()
+    error: BaseException | None = None
+    try:
+        yield st
+    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
+        error = exc
+    st.shared = agree(comm, error, None if error is not None else st._payload)
+
+
+def on_rank0(comm: Collective, work: Any) -> Any:
+    """``work()`` on rank 0 only; every rank gets its (JSON) result or raises its error."""
+    with stage(comm) as st:
+        if comm.rank == 0:
+            st.share(work())
+    return st.shared[0]
+
+
+__all__ = ["Collective", "ShardedError", "Stage", "agree", "on_rank0", "stage"]

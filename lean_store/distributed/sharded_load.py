@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING, Any
 from ..chunking import DEFAULT_CHUNK_BYTES, iter_regions, plan_chunks
 from ..errors import CheckpointError
 from ..stores.hdf5.sharded import deferred_source_checks
-from .collective import Collective
+from .collective import Collective, stage
 from .dtensor_blocks import check_target_cover
 from .local_state import Piece, layout_of, local_pieces, strided_boxes
 from .shard_spec import Box, reads_for
-from .sharded_save import agree
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint
@@ -67,13 +66,12 @@ def load(
     from ..checkpoint import Checkpoint, LoadResult, warn_skipped
 
     comm = Collective(process_group)
-    error: BaseException | None = None
     ck = None
     pieces: list[Piece] = []
     names: list[str] = []
     result = LoadResult()
     try:
-        try:
+        with stage(comm) as st:  # 1. validate
             pieces = local_pieces(target)
             expected = layout_of(pieces)
             with deferred_source_checks():  # HDF5: each rank checks the shard files it reads
@@ -86,21 +84,16 @@ def load(
                 unexpected=[n for n in ck.layout.names() if n not in expected],
             )
             check_planned_reads(ck, pieces, names)  # before anything is installed
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
-            error = exc
-        check_target_cover(agree(comm, error, strided_boxes(pieces)))
+            st.share(strided_boxes(pieces))
+        check_target_cover(st.shared)
         assert ck is not None
-        if verify:
+        if verify:  # 2. verify
             verify_shards(ck, names, comm)
-        error = None
-        try:
+        with stage(comm):  # 3. install
             by_name = {p.name: p for p in pieces}
             for name in names:
                 install_piece(ck, by_name[name], stored_boxes(ck, name), block_bytes)
                 result.loaded.append(name)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-        agree(comm, error)
     finally:
         if ck is not None:
             ck.close()
@@ -120,15 +113,11 @@ def check_planned_reads(ck: Checkpoint, pieces: list[Piece], names: list[str]) -
 def verify_shards(ck: Checkpoint, names: list[str], comm: Collective) -> None:
     """Check every stored shard's digest of ``names``, each shard by one rank, round robin;
     every rank raises if any rank found a problem."""
-    error = None
     units = _verify_units(ck, names)
-    try:
+    with stage(comm):
         for name, k in units[comm.rank :: comm.size]:
             for _ in ck.blocks(name, shard=k, reuse=True):
                 pass
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
-        error = exc
-    agree(comm, error)
     for i, (name, k) in enumerate(units):  # what another rank checked whole: not again here
         if k is not None and i % comm.size != comm.rank:
             ck.checked_elsewhere(name, k)

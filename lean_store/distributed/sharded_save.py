@@ -16,41 +16,28 @@ error if any rank failed and nothing is left half-visible):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
-from ..chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES, iter_regions, plan_chunks
+from ..chunking import DEFAULT_CHUNK_BYTES
 from ..errors import CheckpointError
-from ..integrity import crc32c_update
 from ..layout import Layout
 from ..metadata import root_attrs
+from ..options import SaveOptions, refuse
+from ..progress import make_progress
+from ..snapshot import snapshot_of
 from ..stores.commit import Commit
-from ..stores.hdf5 import sharded as hdf5_sharded
-from ..stores.registry import backend_for
-from ..stores.zarr import sharded as zarr_sharded
-from .collective import Collective, ShardedError
+from ..stores.registry import backend_for, backend_record
+from ..stores.sharded_layout import ShardedLayout
+from .collective import Collective, stage
 from .local_state import Piece, local_pieces
 from .plan import TensorPlan, collect_digests, describe, make_plan, shard_records
-from .shard_spec import Box
+from .shard_spec import ChunkPlan
 
 SHARDED_VERSION = 1
-
-
-def _offset(region: tuple[slice, ...], box: Box) -> tuple[slice, ...]:
-    return tuple(slice(s.start + o, s.stop + o) for s, o in zip(region, box.offsets))
-
-
-def write_box(piece: Piece, box: Box, unit: tuple[int, ...], write: Any) -> int:
-    """Stream ``box`` of this rank's local tensor to ``write(global_region, bits)`` in units of
-    ``unit`` (C order of the unit grid); returns the crc32c of the words in that order."""
-    source = piece.source()
-    crc = 0
-    for region in iter_regions(box.lengths, unit):
-        bits = source.read(region)
-        crc = crc32c_update(crc, bits)
-        write(_offset(region, box), bits)
-    return crc
 
 
 def save(
@@ -59,83 +46,66 @@ def save(
     *,
     process_group: Any = None,
     backend: str | None = None,
-    chunk_bytes: int | None = None,
-    compression: Any = None,
+    options: SaveOptions | None = None,
     kind: str = "state",
     extra_root: dict[str, Any] | None = None,
 ) -> Layout:
     """Save sharded state from every rank of ``process_group`` (all ranks must call this).
-    ``extra_root``: further root attributes, written by rank 0 (the same on every rank)."""
+    ``extra_root``: further root attributes, written by rank 0 (the same on every rank).
+    ``state`` may also be :class:`FrozenPieces` (a snapshot taken by a background save).
+    Options a sharded save cannot honour (:data:`REFUSED`) raise on every rank."""
+    options = options or SaveOptions()
+    check_options(path, backend, options)  # the same on every rank: all raise, before agreeing
     comm = Collective(process_group)
-    chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
+    chunk_bytes = DEFAULT_CHUNK_BYTES if options.chunk_bytes is None else options.chunk_bytes
+    compression = options.compression
 
-    # 1-2. describe and plan
-    error: BaseException | None = None
+    # 1. describe
     pieces: list[Piece] = []
-    desc = None
-    try:
-        if chunk_bytes < MIN_CHUNK_BYTES:
-            raise CheckpointError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}")
-        backend = backend_for(path, backend)
-        if backend == "hdf5":
-            hdf5_sharded.require_local(path)
-        pieces = local_pieces(state)
+    shards: ShardedLayout | None = None
+    with stage(comm) as st:
+        shards = backend_record(backend_for(path, backend)).sharded()
+        shards.check_target(path)
+        pieces = state.pieces() if isinstance(state, FrozenPieces) else local_pieces(state)
         if not pieces:
             raise CheckpointError("nothing to save: the state has no tensors")
-        desc = describe(pieces)
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
-        error = exc
-    descriptions = agree(comm, error, desc)
-    # every rank computes the plan from the same descriptions, so a bad plan raises the same
-    # error on every rank without another agreement round
-    layout, plans = make_plan(descriptions)
-    assert backend is not None
-    chunks = [zarr_sharded.chunk_plan(p, chunk_bytes) for p in plans] if backend == "zarr" else []
+        st.share(describe(pieces))
+    assert shards is not None
+    # 2. plan: every rank computes it from the same descriptions, so a bad plan raises the
+    # same error on every rank without another agreement round
+    layout, plans = make_plan(st.shared)
+    chunks = shards.chunk_plans(plans, chunk_bytes)
 
     # 3. prepare (rank 0)
     location: Commit | None = None
-    error = None
-    work = None
-    if comm.rank == 0:
-        try:
+    with stage(comm) as st:
+        if comm.rank == 0:
             location = Commit.at(path, directory=True)
             location.make_directory()
-            work = location.work
-            if backend == "zarr":
-                zarr_sharded.create_arrays(work, plans, chunks, compression)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
+            shards.prepare(location.work, plans, chunks, compression)
+            st.share(location.work)
     try:
-        work = agree(comm, error, work)[0]
-        # 4. write
-        error = None
-        digests: dict[str, list[Any]] = {}
-        try:
-            if backend == "zarr":
-                digests = _write_zarr(comm, work, plans, chunks, pieces)
-            else:
-                digests = _write_hdf5(comm, work, plans, pieces, chunk_bytes, compression)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-        reports = agree(comm, error, digests)
+        work = st.shared[0]
+        # 4. write: each rank its own shards
+        owned = sum(box.size * p.entry.format.words_per_value
+                    * p.entry.format.storage_dtype.itemsize
+                    for p in plans for _, box in p.owned(comm.rank))
+        label = f"save {Path(str(path)).name} (rank {comm.rank})"
+        with stage(comm) as st, make_progress(options.progress, label, owned) as bar:
+            st.share(_write_shards(comm, shards, work, plans, chunks, pieces, chunk_bytes,
+                                   compression, bar))
+        reports = st.shared
         # 5. commit (rank 0)
-        error = None
-        if comm.rank == 0:
-            assert location is not None
-            try:
+        with stage(comm):
+            if comm.rank == 0:
+                assert location is not None
                 merged = collect_digests(plans, reports)
                 records = [shard_records(p, d) for p, d in zip(plans, merged)]
                 meta = json.dumps({"version": SHARDED_VERSION, "world_size": comm.size,
                                    "id": uuid.uuid4().hex}, separators=(",", ":"))
                 attrs = root_attrs(layout, kind, {**(extra_root or {}), "sharded": meta})
-                if backend == "zarr":
-                    zarr_sharded.finish(work, plans, records, attrs)
-                else:
-                    hdf5_sharded.write_master(work, comm.size, plans, records, attrs, chunk_bytes)
+                shards.finish(work, comm.size, plans, records, attrs, chunk_bytes)
                 location.commit()
-            except Exception as exc:  # noqa: BLE001
-                error = exc
-        agree(comm, error)
     except BaseException:
         if location is not None:
             location.abort()
@@ -143,84 +113,84 @@ def save(
     return layout
 
 
-def agree(comm: Collective, error: BaseException | None, payload: Any = None) -> list[Any]:
-    """``comm.agree``, turning a broken collective (a dead peer, a timeout) into a
-    CheckpointError so every surviving rank reports the failure the same way."""
-    try:
-        return comm.agree(error, payload)
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - torch.distributed raises RuntimeError and others
-        raise ShardedError(
-            f"rank {comm.rank}: the process group failed during a sharded checkpoint operation "
-            f"({type(exc).__name__}: {exc}); nothing was committed"
-        ) from exc
+REFUSED = ("buffer_bytes", "storage_options")
+"""Save options a sharded save cannot honour: each rank reads its shards straight from its
+tensors (no pooled host staging buffers to size), and a sharded URL save takes endpoint and
+credentials from the environment (``AWS_ENDPOINT_URL``, ...). ``snapshot`` applies to
+``blocking=False`` saves (see :class:`FrozenPieces`)."""
 
 
-def _write_zarr(comm: Collective, work: str, plans: list[TensorPlan], chunks: list[Any],
-                pieces: list[Piece]) -> dict[str, list[Any]]:
-    digests: dict[str, list[Any]] = {}
-    turns: list[tuple[int, TensorPlan, Any]] = []
-    for i, (plan, cp) in enumerate(zip(plans, chunks)):
-        if not cp.aligned:
-            turns.append((i, plan, cp))
-            continue
-        owned = plan.owned(comm.rank)
-        if owned:
-            sink = zarr_sharded.open_writer(work, plan, cp)
-            for k, box in owned:
-                crc = write_box(pieces[i], box, cp.chunks, sink.write)
-                digests[f"{i}/{k}"] = [crc, list(cp.chunks)]
-    if turns:
-        digests.update(_write_in_turns(comm, work, turns, pieces))
-    return digests
+def check_options(path: Any, backend: str | None, options: SaveOptions) -> None:
+    """Raise for a save option a sharded save of ``path`` cannot honour: :data:`REFUSED`, and
+    a ``checksum`` other than the one its backend's sharded layout writes. HDF5 shard files
+    always keep HDF5's fletcher32 filter besides the CRC-32C table (whole tensors are read
+    through the master's virtual datasets, where only HDF5's own filter is checked); Zarr's
+    chunk checksum is its crc32c codec."""
+    refuse(options, REFUSED, "sharded saves")
+    backend = backend_for(path, backend)
+    honoured = backend_record(backend).sharded().checksum
+    if options.checksum not in (None, honoured):
+        raise CheckpointError(
+            f"save option checksum={options.checksum!r} is not supported by sharded {backend} "
+            f"saves; they use {honoured!r}"
+        )
 
 
-def _write_in_turns(comm: Collective, work: str, turns: list[tuple[int, TensorPlan, Any]],
-                    pieces: list[Piece]) -> dict[str, list[Any]]:
-    """Tensors whose shards share chunks: rank r writes while the others wait, so every
+class FrozenPieces:
+    """This rank's pieces of a state, copied now for a background save (``snapshot`` mode);
+    an error met while copying is raised inside the save's first stage, so every rank agrees."""
+
+    def __init__(self, state: Any, snapshot: str) -> None:
+        self._pieces: list[Piece] = []
+        self._error: Exception | None = None
+        try:
+            pieces = local_pieces(state)
+            frozen = snapshot_of({str(i): p.local for i, p in enumerate(pieces)}, snapshot)
+            self._pieces = [dataclasses.replace(p, local=frozen[str(i)])
+                            for i, p in enumerate(pieces)]
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the first stage
+            self._error = exc
+
+    def pieces(self) -> list[Piece]:
+        if self._error is not None:
+            raise self._error
+        return self._pieces
+
+
+def _counted(piece: Piece, bar: Any) -> Any:
+    """Reads of ``piece``'s local tensor that also advance the progress bar by their bytes."""
+    source = piece.source()
+
+    def read(region: Any) -> Any:
+        bits = source.read(region)
+        bar.advance(bits.nbytes)
+        return bits
+
+    return read
+
+
+def _write_shards(comm: Collective, shards: ShardedLayout, work: str, plans: list[TensorPlan],
+                  chunks: list[ChunkPlan | None], pieces: list[Piece], chunk_bytes: int,
+                  compression: Any, bar: Any) -> dict[str, list[Any]]:
+    """This rank's shards, through its backend's rank writer. Tensors whose shards share
+    chunks (a Zarr chunk straddling two shards) are written in turns, rank by rank, so every
     read-modify-write of a shared chunk sees the previous rank's data."""
     digests: dict[str, list[Any]] = {}
-    error: BaseException | None = None
-    for turn in range(comm.size):
-        if turn == comm.rank:
-            try:
-                for i, plan, cp in turns:
-                    owned = plan.owned(comm.rank)
-                    if not owned:
-                        continue
-                    sink = zarr_sharded.open_writer(work, plan, cp)
-                    fmt = plan.entry.format
-                    for k, box in owned:
-                        unit = plan_chunks(box.lengths, fmt.storage_dtype.itemsize,
-                                           DEFAULT_CHUNK_BYTES)
-                        crc = write_box(pieces[i], box, unit, sink.write)
-                        digests[f"{i}/{k}"] = [crc, list(unit)]
-            except Exception as exc:  # noqa: BLE001
-                error = exc
-        agree(comm, error if turn == comm.rank else None)
+    alone = [(i, k, box) for i, (plan, cp) in enumerate(zip(plans, chunks))
+             if cp is None or cp.aligned for k, box in plan.owned(comm.rank)]
+    in_turns = [i for i, cp in enumerate(chunks) if cp is not None and not cp.aligned]
+
+    def write(owned: list[tuple[int, int, Any]]) -> None:
+        if not owned:
+            return
+        with shards.rank_writer(work, comm.rank, comm.size, chunk_bytes, compression) as writer:
+            for i, k, box in owned:
+                crc, unit = writer.write(plans[i], chunks[i], k, box, _counted(pieces[i], bar))
+                digests[f"{i}/{k}"] = [crc, list(unit)]
+
+    write(alone)
+    for turn in range(comm.size if in_turns else 0):  # the same on every rank
+        with stage(comm):
+            if turn == comm.rank:
+                write([(i, k, box) for i in in_turns for k, box in plans[i].owned(comm.rank)])
     return digests
-
-
-def _write_hdf5(comm: Collective, work: str, plans: list[TensorPlan], pieces: list[Piece],
-                chunk_bytes: int, compression: Any) -> dict[str, list[Any]]:
-    owned = [(i, plan, plan.owned(comm.rank)) for i, plan in enumerate(plans)]
-    if not any(o for _, _, o in owned):
-        return {}
-    digests: dict[str, list[Any]] = {}
-    writer = hdf5_sharded.open_rank_writer(work, comm.rank, comm.size, chunk_bytes, compression)
-    with writer:
-        for i, plan, boxes in owned:
-            for k, box in boxes:
-                entry = hdf5_sharded.shard_entry(plan, k, box)
-                sink = writer.add_tensor(entry, {"tensor": plan.entry.name, "shard": k,
-                                                 "offsets": box.offsets})
-                crc = write_box(pieces[i], box, sink.write_unit,
-                                lambda region, bits, box=box, sink=sink: sink.write(
-                                    box.local(region), bits))
-                sink.close({"crc32c": crc})
-                digests[f"{i}/{k}"] = [crc, list(sink.write_unit)]
-        writer.commit({"lean_store_shard": json.dumps(
-            {"rank": comm.rank, "world_size": comm.size}, separators=(",", ":"))})
-    return digests
-

@@ -2,8 +2,9 @@
 variants) with DTensor models, across the ranks of a process group.
 
 Saving: every rank builds the same tensors and metadata as the single-process save
-(:func:`lean_store.training.state.training_tensors`): parameters and moments stay DTensors, so each
-rank writes only its own shards; numbers, hyperparameter tensors and scheduler state are
+(:func:`lean_store.training.state.training_tensors`), and :func:`gather_training_state` agrees
+on them before the ordinary sharded save writes them: parameters and moments stay DTensors, so
+each rank writes only its own shards; numbers, hyperparameter tensors and scheduler state are
 replicated and written once. Every rank's RNG states are stored too: each RNG tensor is stacked
 over a leading rank axis (rank ``r`` writes row ``r``) and the metadata keeps one RNG record per
 rank (``rng.ranks``). The metadata without RNG must be identical on every rank; rank 0 writes it.
@@ -25,13 +26,11 @@ from typing import Any
 from ..chunking import DEFAULT_CHUNK_BYTES
 from ..errors import CheckpointError
 from ..layout import Layout
-from .collective import Collective
+from .collective import Collective, stage
 from .dtensor_blocks import check_target_cover
 from .local_state import LocalShard, Piece, is_dtensor, layout_of, local_pieces, strided_boxes
 from .shard_spec import Box
 from .sharded_load import install_piece, stored_boxes, verify_shards
-from .sharded_save import agree
-from .sharded_save import save as sharded_save
 
 
 def _stack(value: Any, rank: int, world: int) -> LocalShard:
@@ -60,40 +59,26 @@ def _first_difference(a: Any, b: Any, where: str = "") -> str:
     return where or "/"
 
 
-def save_training(
-    path: Any, kind: str, *, process_group: Any, model: Any, names_model: Any, optimizer: Any,
-    scheduler: Any = None, step: int | None = None, rng: bool = True, data: Any = None,
-    extra: Any = None, generators: Mapping[str, Any] | None = None, backend: str | None = None,
-    compression: Any = None,
-) -> Layout:
-    """Every rank of ``process_group`` calls this; see the module docstring."""
-    from ..sources.rng import capture
-    from ..training.state import META_ATTR, TRAINING_FORMAT_VERSION, VERSION_ATTR, training_tensors
-
+def gather_training_state(
+    build: Callable[[], tuple[dict[str, Any], dict[str, Any], dict[str, Any], Any]],
+    *, process_group: Any,
+) -> tuple[dict[str, Any], str]:
+    """Every rank of ``process_group`` calls this with its own ``build()`` (tensors, metadata
+    without RNG, RNG tensors, RNG metadata, as a single-process save builds them). Returns the
+    tensors to save sharded (RNG tensors stacked over a leading rank axis) and the metadata
+    text every rank holds; raises on every rank if any rank failed or the metadata differs."""
     comm = Collective(process_group)
-    error: BaseException | None = None
     tensors: dict[str, Any] = {}
-    report: dict[str, Any] | None = None
-    try:
-        tensors, meta = training_tensors(
-            model=model, names_model=names_model, optimizer=optimizer, scheduler=scheduler,
-            step=step, data=data, extra=extra)
-        rng_meta = None
-        if rng or generators:
-            local_rng: dict[str, Any] = {}
-            rng_meta = capture(local_rng, generators, global_state=bool(rng))
-            clash = sorted(set(local_rng) & set(tensors))
-            if clash:
-                raise CheckpointError(f"tensor names {clash[:4]} are used twice")
-            tensors.update({n: _stack(v, comm.rank, comm.size) for n, v in local_rng.items()})
-        report = {"meta": meta, "rng": rng_meta}
-    except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
-        error = exc
-    reports = agree(comm, error, report)
-
-    error = None
+    with stage(comm) as st:
+        tensors, meta, local_rng, rng_meta = build()
+        clash = sorted(set(local_rng) & set(tensors))
+        if clash:
+            raise CheckpointError(f"tensor names {clash[:4]} are used twice")
+        tensors.update({n: _stack(v, comm.rank, comm.size) for n, v in local_rng.items()})
+        st.share({"meta": meta, "rng": rng_meta})
+    reports = st.shared
     text = ""
-    try:
+    with stage(comm):
         first = reports[0]["meta"]
         differ = [r for r, rep in enumerate(reports) if rep["meta"] != first]
         if differ:
@@ -107,13 +92,7 @@ def save_training(
         if reports[0]["rng"] is not None:
             full["rng"] = {"ranks": [rep["rng"] for rep in reports]}
         text = json.dumps(full, separators=(",", ":"), allow_nan=False)
-    except Exception as exc:  # noqa: BLE001
-        error = exc
-    agree(comm, error)
-    return sharded_save(
-        tensors, path, process_group=process_group, backend=backend, compression=compression,
-        kind=kind, extra_root={VERSION_ATTR: TRAINING_FORMAT_VERSION, META_ATTR: text},
-    )
+    return tensors, text
 
 
 class _ShardedReads:
@@ -194,9 +173,8 @@ def load_training(
     ck = None
     prepared = None
     hooks = None
-    error: BaseException | None = None
     try:
-        try:
+        with stage(comm) as st:  # validate everything on every rank
             ck = Checkpoint(path)
             names = param_names(optimizer, names_model) if optimizer is not None else []
             hooks = _ShardedReads(ck, optimizer, names, block_bytes)
@@ -205,18 +183,13 @@ def load_training(
                 generators=generators, scheduled=scheduled, scheduler=scheduler, data=data,
                 rank=comm.rank, world=comm.size, prepare_model=hooks.prepare_model,
                 read_state=hooks.read_state)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
-            error = exc
-        check_target_cover(agree(comm, error, hooks.strided if hooks is not None else []))
+            st.share(hooks.strided)
+        check_target_cover(st.shared)
         assert ck is not None and prepared is not None
         if verify:  # every stored shard's digest, each checked by one rank
             verify_shards(ck, ck.layout.names(), comm)
-        error = None
-        try:
+        with stage(comm):
             prepared.install()
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-        agree(comm, error)
     finally:
         if ck is not None:
             ck.close()
@@ -224,4 +197,4 @@ def load_training(
     return prepared.info
 
 
-__all__ = ["load_training", "save_training"]
+__all__ = ["gather_training_state", "load_training"]

@@ -53,6 +53,9 @@ class RankShardWriter(ABC):
 class ShardedLayout(ABC):
     """One backend's layout of a sharded checkpoint (stateless)."""
 
+    checksum: str
+    """The per-chunk checksum every shard is written with (the ``checksum`` option honoured)."""
+
     def check_target(self, path: Any) -> None:  # noqa: B027 - most targets are fine
         """Refuse a target this layout cannot write (before any rank writes)."""
 

@@ -1,7 +1,10 @@
-"""Training state: model, optimizer, scheduler, RNG and trainer state, and ``Checkpointer``."""
+"""Training checkpoints: model, optimizer, scheduler, RNG and trainer state
+(``save_training``, ``load_training``, ``save_optimizer``, ``load_optimizer``, aliased at the
+root as ``ls.save_training`` ...), and ``Checkpointer`` for one checkpoint per step."""
 
+from .api import load_optimizer, load_training, save_optimizer, save_training
 from .checkpointer import Checkpointer
-from .state import TrainingInfo, load_optimizer, load_training, save_optimizer, save_training
+from .state import TrainingInfo
 
 __all__ = [
     "Checkpointer", "TrainingInfo", "load_optimizer", "load_training", "save_optimizer",

@@ -27,12 +27,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..distributed.collective import on_rank0
 from ..errors import CheckpointError, ForeignPathError
+from ..options import SaveOptions, merge_options
 from ..stores.commit import remove_path
 from ..stores.registry import BACKENDS, backend_record
 from ..stores.target import check_replaceable
 from ..stores.zarr.incremental import IncrementalStats, linking_from
-from .state import SCHEDULED, TrainingInfo, load_training, save_training
+from .api import load_training, save_training
+from .state import SCHEDULED, TrainingInfo
 
 _SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
 _STEP = re.compile(r"^step_(\d{1,19})\.(h5|zarr)$")
@@ -49,7 +52,15 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = None,
                  backend: str = "hdf5", create: bool = True,
-                 process_group: Any = None, incremental: bool = False) -> None:
+                 process_group: Any = None, incremental: bool = False,
+                 options: SaveOptions | None = None,
+                 chunk_bytes: int | None = None, compression: Any = None,
+                 checksum: str | None = None, progress: Any = None,
+                 buffer_bytes: int | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        """``options`` (or the :class:`SaveOptions` keywords, e.g. ``compression=``) apply to
+        every step; one ``save`` may override a field with its keyword, or all with its own
+        ``options``. Its saves block, so there is no ``snapshot``."""
         if backend not in BACKENDS:
             raise CheckpointError(f"unknown backend {backend!r}; use one of {BACKENDS}")
         if incremental and not backend_record(backend).incremental:
@@ -65,6 +76,12 @@ class Checkpointer:
             not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
         ):
             raise CheckpointError(f"keep_last must be a positive int or None, got {keep_last!r}")
+        self.options = merge_options(
+            options, chunk_bytes=chunk_bytes, compression=compression, checksum=checksum,
+            progress=progress, buffer_bytes=buffer_bytes, storage_options=storage_options)
+        if self.options.snapshot != SaveOptions().snapshot:
+            raise CheckpointError("save option snapshot is not supported by Checkpointer: "
+                                  "its saves block (the step is committed before pruning)")
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.backend = backend
@@ -113,14 +130,22 @@ class Checkpointer:
     def save(self, step: int, *, model: Any, optimizer: Any = None, scheduler: Any = None,
              rng: bool = True, data: Any = None, extra: Any = None,
              generators: Mapping[str, Any] | None = None, overwrite: bool = False,
-             compression: Any = None, progress: Any = False) -> Path:
-        """Write ``step`` atomically, then drop the oldest steps beyond ``keep_last``."""
+             options: SaveOptions | None = None, chunk_bytes: int | None = None,
+             compression: Any = None, checksum: str | None = None, progress: Any = None,
+             buffer_bytes: int | None = None,
+             storage_options: dict[str, Any] | None = None) -> Path:
+        """Write ``step`` atomically, then drop the oldest steps beyond ``keep_last``.
+        Save options: the Checkpointer's, with this call's keywords (``compression=``,
+        ``chunk_bytes=``, ...) overriding them, or this call's ``options`` instead."""
+        opts = merge_options(options, self.options, chunk_bytes=chunk_bytes,
+                             compression=compression, checksum=checksum, progress=progress,
+                             buffer_bytes=buffer_bytes, storage_options=storage_options)
         comm = self._comm(model, optimizer)
         if comm is not None:
             return self._save_sharded(comm, step, model=model, optimizer=optimizer,
                                       scheduler=scheduler, rng=rng, data=data, extra=extra,
                                       generators=generators, overwrite=overwrite,
-                                      compression=compression)
+                                      options=opts)
         _check_step(step)
         self.clean_incomplete()
         existing = self._entries().get(step)
@@ -133,7 +158,7 @@ class Checkpointer:
         with linking_from(base) as stats:
             save_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
                           step=step, rng=rng, data=data, extra=extra, generators=generators,
-                          backend=self.backend, compression=compression, progress=progress)
+                          backend=self.backend, options=opts)
         self.last_save_stats = stats if base is not None else None
         if existing is not None and existing != path:
             self._remove(existing)
@@ -150,26 +175,13 @@ class Checkpointer:
 
     def _comm(self, model: Any, optimizer: Any) -> Any:
         """The collective of a sharded run, or None for a single process."""
-        from .state import is_sharded_training
+        from ..api import is_sharded
 
-        if not is_sharded_training(model, model, optimizer, self.process_group):
+        if not is_sharded(self.process_group, model, optimizer):
             return None
         from ..distributed.collective import Collective
 
         return Collective(self.process_group)
-
-    def _on_rank0(self, comm: Any, work: Any) -> Any:
-        """Run ``work()`` on rank 0 only; every rank gets its result or raises its error."""
-        from ..distributed.sharded_save import agree
-
-        error: BaseException | None = None
-        result = None
-        if comm.rank == 0:
-            try:
-                result = work()
-            except Exception as exc:  # noqa: BLE001 - reported to every rank by agree
-                error = exc
-        return agree(comm, error, result)[0]
 
     def _save_sharded(self, comm: Any, step: int, *, model: Any, overwrite: bool,
                       **kwargs: Any) -> Path:
@@ -185,7 +197,7 @@ class Checkpointer:
                 check_replaceable(existing)
             return [str(path), None if existing is None else str(existing)]
 
-        path, existing = self._on_rank0(comm, check)
+        path, existing = on_rank0(comm, check)
         save_training(path, model=model, step=step, backend=self.backend,
                       process_group=self.process_group, **kwargs)
 
@@ -194,7 +206,7 @@ class Checkpointer:
                 self._remove(Path(existing))
             self._prune()
 
-        self._on_rank0(comm, prune)
+        on_rank0(comm, prune)
         return Path(path)
 
     def _prune(self) -> None:
@@ -237,7 +249,7 @@ class Checkpointer:
         """Restore ``step`` (default: the latest) in place; see :func:`load_training`."""
         comm = self._comm(model, optimizer)
         if comm is not None:  # rank 0 chooses the step, so every rank loads the same one
-            path = self._on_rank0(comm, lambda: str(self._find(step)))
+            path = on_rank0(comm, lambda: str(self._find(step)))
             return load_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
                                  data=data, rng=rng, generators=generators,
                                  scheduled=scheduled, process_group=self.process_group)

@@ -14,7 +14,6 @@ torch is imported lazily, so ``import lean_store`` works without it.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from collections.abc import Callable, Collection, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from ..checkpoint import Checkpoint, as_values
 from ..errors import CheckpointError, IntegrityError
 from ..layout import Difference, Layout, layout_error
 from ..statetree import decode, encode, tensor_names
-from ..writing import write_source
 
 TRAINING_FORMAT_VERSION = 1
 VERSION_ATTR = "training_format_version"
@@ -50,102 +48,39 @@ class TrainingInfo:
 # ----------------------------------------------------------------------------------- saving
 
 
-def save_optimizer(
-    optimizer: Any,
-    path: str | os.PathLike,
-    *,
-    rng: bool = True,
-    model: Any = None,
+def build_training_state(
+    *, model: Any, names_model: Any, optimizer: Any, scheduler: Any = None,
+    step: int | None = None, rng: bool = True, data: Any = None, extra: Any = None,
     generators: Mapping[str, Any] | None = None,
-    backend: str | None = None,
-    compression: Any = None,
-    progress: Any = False,
-    process_group: Any = None,
-) -> Layout:
-    """Save an optimizer's state (moments, steps, hyperparameters, parameter names) and, with
-    ``rng=True``, the global RNG states. Parameter names come from ``model`` when given, else
-    from the optimizer's ``param_names``, else positions. An optimizer with no state yet
-    raises :class:`CheckpointError`. With ``process_group`` (or DTensor parameters) every
-    rank calls it and writes its own shards (see docs/SHARDING.md)."""
-    return _save(path, "optimizer", model=None, names_model=model, optimizer=optimizer,
-                 rng=rng, generators=generators, backend=backend, compression=compression,
-                 progress=progress, process_group=process_group)
-
-
-def save_training(
-    path: str | os.PathLike,
-    *,
-    model: Any,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    step: int | None = None,
-    rng: bool = True,
-    data: Any = None,
-    extra: Any = None,
-    generators: Mapping[str, Any] | None = None,
-    backend: str | None = None,
-    compression: Any = None,
-    progress: Any = False,
-    process_group: Any = None,
-) -> Layout:
-    """Save one complete training checkpoint, committed atomically.
-
-    ``data`` is the data position: a ``torch.Generator``, a ``numpy.random.Generator``, any
-    object with ``state_dict()``/``load_state_dict()``, or a mapping (e.g. epoch and index).
-    ``extra`` is any JSON-like tree. ``generators`` names further RNG objects to capture.
-    With ``process_group`` (or a DTensor model) every rank calls it: each writes its own
-    shards of parameters and moments and its own RNG states; rank 0 writes the metadata.
-    """
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise CheckpointError(f"step must be a non-negative int or None, got {step!r}")
-    return _save(path, "training", model=model, names_model=model, optimizer=optimizer,
-                 scheduler=scheduler, step=step, rng=rng, data=data, extra=extra,
-                 generators=generators, backend=backend, compression=compression,
-                 progress=progress, process_group=process_group)
-
-
-def _save(path: Any, kind: str, *, model: Any, names_model: Any, optimizer: Any,
-          scheduler: Any = None, step: int | None = None, rng: bool = True, data: Any = None,
-          extra: Any = None, generators: Mapping[str, Any] | None = None,
-          backend: str | None, compression: Any, progress: Any,
-          process_group: Any = None) -> Layout:
-    from ..sources import tensor_source
-
-    if is_sharded_training(model, names_model, optimizer, process_group):
-        from ..distributed.training import save_training as sharded_save
-
-        return sharded_save(path, kind, process_group=process_group, model=model,
-                            names_model=names_model, optimizer=optimizer, scheduler=scheduler,
-                            step=step, rng=rng, data=data, extra=extra, generators=generators,
-                            backend=backend, compression=compression)
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], Any]:
+    """(tensors, metadata without ``rng``, RNG tensors, RNG metadata or None): what one process
+    contributes to a training checkpoint. Shared by the single-process and the sharded save."""
     tensors, meta = training_tensors(model=model, names_model=names_model, optimizer=optimizer,
                                      scheduler=scheduler, step=step, data=data, extra=extra)
+    rng_tensors: dict[str, Any] = {}
+    rng_meta = None
     if rng or generators:
         from ..sources.rng import capture
 
-        meta["rng"] = capture(tensors, generators, global_state=bool(rng))
-    text = json.dumps(meta, separators=(",", ":"), allow_nan=False)
-    return write_source(
-        tensor_source(tensors), path, kind=kind, backend=backend, compression=compression,
-        progress=progress,
-        extra_root={VERSION_ATTR: TRAINING_FORMAT_VERSION, META_ATTR: text},
-    )
+        rng_meta = capture(rng_tensors, generators, global_state=bool(rng))
+    return tensors, meta, rng_tensors, rng_meta
 
 
-def is_sharded_training(model: Any, names_model: Any, optimizer: Any, process_group: Any) -> bool:
-    """True when a training save/load must go through :mod:`lean_store.distributed`: a process
-    group was given, or the model or optimizer holds DTensors / ``LocalShard`` values."""
-    if process_group is not None:
-        return True
-    from ..distributed.local_state import holds_shards, is_dtensor
+def single_training_state(**build: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tensors and extra root attributes of a single-process training checkpoint."""
+    tensors, meta, rng_tensors, rng_meta = build_training_state(**build)
+    clash = sorted(set(rng_tensors) & set(tensors))
+    if clash:
+        raise CheckpointError(f"tensor names {clash[:4]} are used twice")
+    tensors.update(rng_tensors)
+    if rng_meta is not None:
+        meta["rng"] = rng_meta
+    return tensors, training_root(json.dumps(meta, separators=(",", ":"), allow_nan=False))
 
-    for m in (model, names_model):
-        if m is not None and holds_shards(m):
-            return True
-    if optimizer is not None:
-        groups = getattr(optimizer, "param_groups", None) or []
-        return any(is_dtensor(p) for g in groups for p in g.get("params", ()))
-    return False
+
+def training_root(text: str) -> dict[str, Any]:
+    """The root attributes that make a checkpoint a training checkpoint."""
+    return {VERSION_ATTR: TRAINING_FORMAT_VERSION, META_ATTR: text}
 
 
 def training_tensors(*, model: Any, names_model: Any, optimizer: Any, scheduler: Any = None,
@@ -210,48 +145,6 @@ def _data_meta(data: Any, tensors: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- loading
-
-
-def load_optimizer(
-    optimizer: Any,
-    path: Any,
-    *,
-    model: Any = None,
-    rng: bool = True,
-    generators: Mapping[str, Any] | None = None,
-    scheduled: Collection[str] = SCHEDULED,
-    process_group: Any = None,
-) -> TrainingInfo:
-    """Restore an optimizer (and, with ``rng=True``, the RNG states) from a file written by
-    :func:`save_optimizer` or :func:`save_training`. Everything is validated first; on any
-    mismatch a :class:`CheckpointError` is raised and nothing is changed. Group keys named in
-    ``scheduled`` (the learning rate) are restored rather than compared."""
-    return _load(path, model=None, names_model=model, optimizer=optimizer, rng=rng,
-                 generators=generators, scheduled=scheduled, stacklevel=3,
-                 process_group=process_group)
-
-
-def load_training(
-    path: Any,
-    *,
-    model: Any,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    data: Any = None,
-    rng: bool = True,
-    generators: Mapping[str, Any] | None = None,
-    scheduled: Collection[str] = SCHEDULED,
-    process_group: Any = None,
-) -> TrainingInfo:
-    """Restore a training checkpoint in place: model, optimizer, scheduler, data position and
-    RNG states, all validated before any is changed. Returns a :class:`TrainingInfo`.
-    With ``process_group`` (or a DTensor model) every rank calls it and reads only its own
-    regions, from a checkpoint saved by any number of ranks; all ranks validate and agree
-    before any installs. Each rank gets its own RNG states back when the world size is the
-    one that saved; otherwise RNG is skipped with a warning."""
-    return _load(path, model=model, names_model=model, optimizer=optimizer,
-                 scheduler=scheduler, data=data, rng=rng, generators=generators,
-                 scheduled=scheduled, stacklevel=3, process_group=process_group)
 
 
 def read_metadata(ck: Checkpoint) -> tuple[int, dict[str, Any], str]:
@@ -326,16 +219,10 @@ class TrainingReader:
         return values
 
 
-def _load(path: Any, *, model: Any, names_model: Any, optimizer: Any, rng: bool,
-          generators: Mapping[str, Any] | None, scheduled: Collection[str], stacklevel: int,
-          scheduler: Any = None, data: Any = None, process_group: Any = None) -> TrainingInfo:
-    if is_sharded_training(model, names_model, optimizer, process_group):
-        from ..distributed.training import load_training as sharded_load
-
-        return sharded_load(path, process_group=process_group, model=model,
-                            names_model=names_model, optimizer=optimizer, scheduler=scheduler,
-                            data=data, rng=rng, generators=generators, scheduled=scheduled,
-                            stacklevel=stacklevel + 1)
+def load_single(path: Any, *, model: Any, names_model: Any, optimizer: Any, rng: bool,
+                generators: Mapping[str, Any] | None, scheduled: Collection[str],
+                stacklevel: int, scheduler: Any = None, data: Any = None) -> TrainingInfo:
+    """Restore a training checkpoint in one process (see :func:`lean_store.load_training`)."""
     with Checkpoint(path) as ck:
         prepared = prepare_load(ck, model=model, names_model=names_model, optimizer=optimizer,
                                 rng=rng, generators=generators, scheduled=scheduled,
@@ -538,7 +425,7 @@ def _prepare_data(meta: Any, data: Any, reader: TrainingReader, where: Any) -> t
 
 
 __all__ = [
-    "TRAINING_FORMAT_VERSION", "PreparedLoad", "TrainingInfo", "load_optimizer",
-    "load_training", "prepare_load", "read_metadata", "save_optimizer", "save_training",
+    "TRAINING_FORMAT_VERSION", "PreparedLoad", "TrainingInfo", "build_training_state",
+    "load_single", "prepare_load", "read_metadata", "single_training_state", "training_root",
     "training_tensors",
 ]

@@ -138,7 +138,7 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
 
     import lean_store as ls
     from lean_store.distributed import LocalShard, training_state
-    from lean_store.distributed import sharded_save as ss
+    from lean_store.stores import sharded_layout
 
     mesh = DeviceMesh("cpu", list(range(world)))
     model, opt = sharded_model(mesh, 0, train=True)
@@ -167,17 +167,17 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
     lo, hi = bounds[rank], bounds[rank + 1]
     ls.save({"v": LocalShard(data[lo:hi].clone(), (40000,), (lo,))}, out / "uneven.zarr")
     # one rank fails mid-write: every rank raises, the previous checkpoint stays
-    real = ss.write_box
+    real = sharded_layout.write_box
 
     def failing(piece, box, unit, write):
         if rank == 2:
             raise OSError("disk full (injected)")
         return real(piece, box, unit, write)
 
-    ss.write_box = failing
+    sharded_layout.write_box = failing
     for name in ("ck.zarr", "ck.h5"):
         rec[f"fail_{name}"] = outcome(lambda name=name: ls.save(state, out / name))
-    ss.write_box = real
+    sharded_layout.write_box = real
     return rec
 
 
@@ -245,13 +245,13 @@ def scenario_die(rank: int, world: int, out: Path) -> dict:
 
     import lean_store as ls
     from lean_store.distributed import LocalShard
-    from lean_store.distributed import sharded_save as ss
+    from lean_store.stores import sharded_layout
 
     def state(value: float) -> dict:
         return {"w": LocalShard(torch.full((4, 3), value), (8, 3), (4 * rank, 0))}
 
     ls.save(state(1.0), out / "die.zarr")
-    real = ss.write_box
+    real = sharded_layout.write_box
 
     def dying(piece, box, unit, write):
         result = real(piece, box, unit, write)
@@ -259,7 +259,7 @@ def scenario_die(rank: int, world: int, out: Path) -> dict:
             os._exit(17)
         return result
 
-    ss.write_box = dying
+    sharded_layout.write_box = dying
     return {"second_save": outcome(lambda: ls.save(state(2.0), out / "die.zarr"))}
 
 

@@ -77,7 +77,7 @@ def test_directory_swap_without_renameat2_still_commits(tmp_path, monkeypatch):
 def test_uncommitted_temporary_copy_is_rejected(tmp_path, backend, suffix):
     """A writer that never committed: its temp sibling exists and is refused as incomplete."""
     path = tmp_path / f"ck{suffix}"
-    source = ls.checkpoint.tensor_source(_state(3))
+    source = ls.sources.tensor_source(_state(3))
     writer = open_writer(path, backend, chunk_bytes=4096, compression=None)
     try:
         for entry, tensor in source.tensors():

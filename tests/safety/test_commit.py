@@ -432,7 +432,7 @@ import errno, json, os, stat, sys
 import torch, torch.distributed as dist
 import lean_store as ls
 from lean_store.distributed import LocalShard
-from lean_store.distributed import sharded_save as ss
+from lean_store.stores import sharded_layout
 from lean_store.stores.commit import LocalCommit, URLCommit
 
 out = sys.argv[1]
@@ -462,17 +462,17 @@ for name in ("ck.h5", "ck.zarr", "file://" + os.path.join(folder, "u.zarr")):
     ls.save(shard(1), path)
     if "://" not in name:
         ls.save(shard(2), path)  # a replacement
-    real = ss.write_box
+    real = sharded_layout.write_box
     def failing(*args, **kwargs):
         raise OSError(errno.ENOSPC, "disk full (injected)")
-    ss.write_box = failing
+    sharded_layout.write_box = failing
     target = path if "://" not in name else path + ".failed"
     try:
         ls.save(shard(3), target)
         failed = "no error"
     except Exception as exc:
         failed = type(exc).__name__
-    ss.write_box = real
+    sharded_layout.write_box = real
     result[name] = {"value": float(ls.load_state(path)["w"].sum()), "failed": failed,
                     "failed_exists": os.path.exists(target.split("://")[-1])
                     if "://" in name else None}

@@ -36,8 +36,9 @@ from ...layout import Entry
 from ...metadata import tensor_attrs
 from ...naming import node_name
 from ...replacement import PinnedRoot, check_unchanged
+from .. import sharded_layout
 from ..base import ChunkProblem, Selection, StoredTensor
-from ..sharded_layout import RankShardWriter, ShardedLayout, write_box
+from ..sharded_layout import RankShardWriter, ShardedLayout
 from .store import (
     ATTR_PHASE_CHANGE,
     HDF5Reader,
@@ -51,6 +52,8 @@ from .types import hdf5_type, storage_kind
 MASTER_NAME = "lean_store.h5"
 _DEFER_SOURCES: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "lean_store_defer_shard_sources", default=False)
+CHECKSUM = "fletcher32+crc32c"
+"""The checksum of every shard file (the ``checksum`` save option a sharded save honours)."""
 MASTER_LIBVER = ("v108", "v110")  # virtual datasets need the 1.10 format; h5dump 1.10 reads it
 _SHARD_FILE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.h5$")
 _SOURCE_DSET = re.compile(r"^/t(\d{6})-s(\d{5})$")
@@ -74,7 +77,7 @@ def open_rank_writer(work: str, rank: int, world: int, chunk_bytes: int, compres
     if compression == "weights":
         compression = "weights-gzip"
     return HDF5Writer(Path(work) / shard_file_name(rank, world), chunk_bytes=chunk_bytes,
-                      compression=compression, checksum="fletcher32+crc32c")
+                      compression=compression, checksum=CHECKSUM)
 
 
 def shard_entry(plan: TensorPlan, k: int, box: Box) -> Entry:
@@ -392,7 +395,7 @@ class _HDF5RankWriter(RankShardWriter):
               read: Callable[[tuple[slice, ...]], np.ndarray]) -> tuple[int, tuple[int, ...]]:
         sink = self._writer.add_tensor(shard_entry(plan, k, box), {
             "tensor": plan.entry.name, "shard": k, "offsets": box.offsets})
-        crc = write_box(read, box, sink.write_unit,
+        crc = sharded_layout.write_box(read, box, sink.write_unit,
                         lambda region, bits: sink.write(box.local(region), bits))
         sink.close({"crc32c": crc})
         return crc, tuple(sink.write_unit)
@@ -403,13 +406,19 @@ class _HDF5RankWriter(RankShardWriter):
 
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
-            self._writer.commit({"lean_store_shard": json.dumps(
-                {"rank": self._rank, "world_size": self._world}, separators=(",", ":"))})
+            try:
+                self._writer.commit({"lean_store_shard": json.dumps(
+                    {"rank": self._rank, "world_size": self._world}, separators=(",", ":"))})
+            except BaseException as error:
+                self._writer.__exit__(type(error), error, error.__traceback__)
+                raise
         self._writer.__exit__(*exc)
 
 
 class HDF5ShardedLayout(ShardedLayout):
     """One shard file per writing rank and a master file of virtual datasets."""
+
+    checksum = CHECKSUM
 
     def check_target(self, path: Any) -> None:
         require_local(path)

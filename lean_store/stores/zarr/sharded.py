@@ -31,8 +31,9 @@ from ...distributed.shard_spec import Box, ChunkPlan, aligned_chunks
 from ...errors import CheckpointError
 from ...metadata import tensor_attrs
 from ...naming import node_name
+from .. import sharded_layout
 from ..commit import is_url, storage_options_for
-from ..sharded_layout import RankShardWriter, ShardedLayout, write_box
+from ..sharded_layout import RankShardWriter, ShardedLayout
 from .compat import (
     consolidated_group_document,
     encoded_document,
@@ -50,6 +51,9 @@ from .store import (
     storage_name_of,
     stored_shape,
 )
+
+CHECKSUM = "crc32c"
+"""The chunk checksum codec (the ``checksum`` save option a sharded save honours)."""
 
 
 def chunk_plan(plan: TensorPlan, chunk_bytes: int, *, always_aligned: bool = False) -> ChunkPlan:
@@ -219,11 +223,13 @@ class _ZarrRankWriter(RankShardWriter):
             unit = plan_chunks(box.lengths, plan.entry.format.storage_dtype.itemsize,
                                DEFAULT_CHUNK_BYTES)
         sink = open_writer(self._root, plan, chunk)
-        return write_box(read, box, unit, sink.write), tuple(unit)
+        return sharded_layout.write_box(read, box, unit, sink.write), tuple(unit)
 
 
 class ZarrShardedLayout(ShardedLayout):
     """One array per tensor; every rank writes the chunks of its shards into it."""
+
+    checksum = CHECKSUM
 
     def chunk_plans(self, plans: list[TensorPlan], chunk_bytes: int, *,
                     always_aligned: bool = False) -> list[ChunkPlan | None]:
