@@ -11,13 +11,6 @@ import lean_store as ls
 
 PACKAGE = Path(ls.__file__).parent
 
-# Modules still in a cycle while issue 12's restructuring lands; the set only shrinks.
-KNOWN_IN_CYCLES = {
-    "lean_store.checkpoint", "lean_store.distributed.sharded_load",
-    "lean_store.distributed.training", "lean_store.training.state",
-}
-
-
 def _modules() -> dict[str, tuple[Path, list[str]]]:
     found = {}
     for path in PACKAGE.rglob("*.py"):
@@ -108,7 +101,7 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 def test_no_import_cycles_outside_formats() -> None:
     in_cycles = {m for c in cycles(import_graph()) for m in c
                  if not m.startswith("lean_store.formats")}
-    assert in_cycles <= KNOWN_IN_CYCLES, sorted(in_cycles - KNOWN_IN_CYCLES)
+    assert in_cycles == set()
 
 
 def test_the_core_does_not_import_the_layers_above_it() -> None:
