@@ -121,7 +121,7 @@ def _encode(chunk: np.ndarray, itemsize: int, fletcher32: bool) -> bytes | np.nd
 
 class BloscChunks:
     """Compress chunks in a thread pool, hand them to ``put(offset, payload)`` in order (the
-    interface of :class:`lean_store.stores.hdf5_deflate.DeflateChunks`)."""
+    interface of :class:`lean_store.stores.hdf5.deflate.DeflateChunks`)."""
 
     def __init__(self, pool: ThreadPoolExecutor, itemsize: int, fletcher32: bool,
                  put: Callable[[tuple[int, ...], Any], None]) -> None:

@@ -3,11 +3,12 @@
 ``compression="weights"`` stores each chunk through the codecs ``bytes`` (little endian),
 ``blosc`` and ``crc32c`` (inside ``sharding_indexed`` for large tensors, its index ``bytes`` +
 ``crc32c`` at the end): a stored chunk is one Blosc 1 frame (16-byte header, then the shuffled,
-compressed blocks) followed by the CRC-32C of that frame. :class:`lean_store.zarr_direct_read.
-DirectReader` reads such a chunk with one ``pread``, checks the CRC-32C over the frame, checks
-the frame's header (:mod:`lean_store.blosc_frames`), and only then lets numcodecs' Blosc (the
-library zarr itself calls) decompress it straight into the output: zarr-python's pipeline
-costs about half the load speed on top of the decompression (docs/PERFORMANCE.md).
+compressed blocks) followed by the CRC-32C of that frame. The direct reader
+(:class:`lean_store.stores.zarr.direct_read.DirectReader`) reads such a chunk with one
+``pread``, checks the CRC-32C over the frame, checks the frame's header
+(:mod:`lean_store.stores.blosc_frames`), and only then lets numcodecs' Blosc (the library zarr
+itself calls) decompress it straight into the output: zarr-python's pipeline costs about half
+the load speed on top of the decompression (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
