@@ -21,6 +21,7 @@ from ...hardening import (
     check_json_depth,
     file_kind,
 )
+from . import shard_index
 
 
 @dataclass
@@ -196,7 +197,7 @@ def zarr_expected_file_size(array: Any, coords: tuple[int, ...]) -> int | None:
         for s, c, d, i in zip(shard_shape, shard.chunk_shape, array.shape, coords)
     )
     index_crc = 4 if any(type(c).__name__ == "Crc32cCodec" for c in shard.index_codecs) else 0
-    return n_inner * inner_bytes + 16 * n_slots + index_crc
+    return n_inner * inner_bytes + shard_index.index_bytes(n_slots, crc=False) + index_crc
 
 
 def check_zarr_present(node: str, array: Any, tree: LocalTree) -> None:

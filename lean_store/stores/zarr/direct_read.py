@@ -23,11 +23,11 @@ import numpy as np
 
 from ...chunking import touched_cells
 from ...errors import IntegrityError
+from . import shard_index
 from .blosc_read import blosc_layout, decode_chunk, stored_size_limit, stored_size_ok
 from .compat import chunk_key, regular_grid, sharding_document
 from .direct_write import direct_ok
 
-_EMPTY = 2**64 - 1
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -144,9 +144,9 @@ class DirectReader:
                 index = self._index(fd, file_size, shard, coords)
                 offset, nbytes = (int(v) for v in index[int(np.ravel_multi_index(
                     inner, self._per_shard))])
-                if offset == _EMPTY and nbytes == _EMPTY:
+                if shard_index.is_empty(offset, nbytes):
                     raise self._fail(coords, f"is missing from shard {key!r}")
-                end = file_size - (16 * self._slots + 4)
+                end = file_size - shard_index.index_bytes(self._slots)
                 if not self._size_ok(nbytes) or offset > end or offset + nbytes > end:
                     raise self._fail(coords, f"has a bad shard index entry ({offset}, {nbytes})")
             else:
@@ -197,15 +197,13 @@ class DirectReader:
                ) -> np.ndarray:
         index = self._indexes.get(shard)
         if index is None:
-            n = 16 * self._slots + 4
+            n = shard_index.index_bytes(self._slots)
             if file_size < n:
                 raise self._fail(coords, f"lies in a shard of {file_size} bytes, too short for "
                                          "its index")
-            raw = os.pread(fd, n, file_size - n)
-            if len(raw) != n or \
-                    google_crc32c.value(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+            index = shard_index.decode(os.pread(fd, n, file_size - n), self._slots)
+            if index is None:
                 raise self._fail(coords, "lies in a shard whose index fails its crc32c check")
-            index = np.frombuffer(raw[:-4], "<u8").reshape(self._slots, 2)
             self._indexes[shard] = index
         return index
 

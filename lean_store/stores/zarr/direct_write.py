@@ -29,9 +29,8 @@ import google_crc32c
 import numpy as np
 
 from ...chunking import Region
+from . import shard_index
 from .compat import chunk_key, codec_documents, plain_codecs, sharding_document
-
-_EMPTY = np.uint64(2**64 - 1)
 
 
 def _crc_bytes(data: Any) -> bytes:
@@ -70,7 +69,7 @@ class DirectWriter:
         else:
             size = self._chunk_nbytes
             per_shard = math.prod(s // c for s, c in zip(self._shards, self._chunks))
-            index = np.full((per_shard, 2), _EMPTY, dtype="<u8")
+            index = shard_index.empty(per_shard)
             offset = 0
             for j in range(per_shard):
                 part = flat[j * size: (j + 1) * size]
@@ -81,8 +80,7 @@ class DirectWriter:
                 index[j] = (offset, nbytes)
                 offset += nbytes
                 pieces += chunk
-            raw = index.tobytes()
-            pieces += [raw, _crc_bytes(raw)]
+            pieces += shard_index.encode(index)
         if self._linker is not None:
             self._linker.link_or_write(path, key, pieces)
             return

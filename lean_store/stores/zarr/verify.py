@@ -7,14 +7,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
 from ..base import ChunkProblem
+from . import shard_index
 from .checks import LocalTree, codec_names, zarr_chunk_keys, zarr_grid
 from .compat import plain_codecs, sharding_document
-
-_EMPTY = (1 << 64) - 1  # a Zarr shard index slot with no chunk
 
 
 def structure_problems(node: str, array: Any, tree: LocalTree | None) -> list[ChunkProblem]:
@@ -40,7 +38,7 @@ def _shard_index_problems(node: str, array: Any, tree: LocalTree) -> list[ChunkP
     inner = tuple(int(c) for c in config["chunk_shape"])
     per_shard = tuple(s // c for s, c in zip(shard_shape, inner))
     n_slots = math.prod(per_shard)
-    index_bytes = 16 * n_slots + 4
+    index_bytes = shard_index.index_bytes(n_slots)
     problems: list[ChunkProblem] = []
     for key, coords in zarr_chunk_keys(node, array, len(tree.files)):
         path = tree.root / key
@@ -51,17 +49,16 @@ def _shard_index_problems(node: str, array: Any, tree: LocalTree) -> list[ChunkP
         with path.open("rb") as f:
             f.seek(size - index_bytes)
             raw = f.read(index_bytes)
-        body, stored = raw[:-4], int.from_bytes(raw[-4:], "little")
-        if google_crc32c.value(body) != stored:
+        table = shard_index.decode(raw, n_slots)
+        if table is None:
             problems.append((None, f"shard {key!r}: index checksum mismatch"))
             continue
-        table = np.frombuffer(body, dtype="<u8").reshape(n_slots, 2)
         for slot, (offset, nbytes) in enumerate(table):
             local = np.unravel_index(slot, per_shard)
             chunk = tuple(int(s * p + q) for s, p, q in zip(coords, per_shard, local))
             if any(c * n >= d for c, n, d in zip(chunk, inner, array.shape)):
                 continue  # slot beyond the array's edge: legitimately empty
-            if int(offset) == _EMPTY and int(nbytes) == _EMPTY:
+            if shard_index.is_empty(int(offset), int(nbytes)):
                 problems.append((chunk, f"missing from shard {key!r} (would read as fill)"))
             elif int(offset) + int(nbytes) > size - index_bytes:
                 problems.append((chunk, f"lies outside shard {key!r}"))
