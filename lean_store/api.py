@@ -185,12 +185,14 @@ def load(
     tensors to be in the target's order.
     With ``process_group`` (or DTensors / ``LocalShard`` values in the target) every rank
     reads only the regions of its own shards, from a checkpoint saved by any number of ranks;
-    ``cast``, ``progress`` and ``storage_options`` are refused there.
+    ``cast``, a progress bar and ``storage_options`` are refused there (``progress=False``,
+    no bar, is honoured).
     """
     if is_sharded(process_group, target):
-        refused = [name for name, value in (("cast", cast), ("progress", progress),
-                                             ("storage_options", storage_options))
-                   if value is not None]
+        refused = [name for name, given in (("cast", cast is not None),
+                                             ("progress", progress not in (None, False)),
+                                             ("storage_options", storage_options is not None))
+                   if given]
         if refused:
             raise CheckpointError(f"{', '.join(refused)} is not supported by sharded loads")
         from .distributed.sharded_load import load as sharded_load
