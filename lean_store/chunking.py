@@ -97,8 +97,9 @@ def region_shape(region: Region) -> tuple[int, ...]:
     return tuple(s.stop - s.start for s in region)
 
 
-def grid_shape(shape: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(-(-d // c) for d, c in zip(shape, chunks))
+def grid_shape(shape: Sequence[int], chunks: Sequence[int]) -> tuple[int, ...]:
+    """Chunks along each axis of the grid of ``shape`` cut into ``chunks``."""
+    return tuple(-(-int(d) // int(c)) for d, c in zip(shape, chunks))
 
 
 def chunk_number(coords: tuple[int, ...], grid: tuple[int, ...]) -> int:
@@ -109,7 +110,8 @@ def chunk_number(coords: tuple[int, ...], grid: tuple[int, ...]) -> int:
     return n
 
 
-def table_size(shape: tuple[int, ...], chunks: tuple[int, ...]) -> int:
+def chunk_count(shape: Sequence[int], chunks: Sequence[int]) -> int:
+    """Chunks in the grid of ``shape``; 0 for an empty array."""
     return math.prod(grid_shape(shape, chunks))
 
 

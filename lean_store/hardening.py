@@ -46,10 +46,6 @@ def check_chunk_shape(
         )
 
 
-def chunk_count(shape: tuple[int, ...], chunks: tuple[int, ...]) -> int:
-    """Chunks in the grid of ``shape``; 0 for an empty array."""
-    return math.prod(-(-int(d) // int(c)) for d, c in zip(shape, chunks))
-
 
 # ----------------------------------------------------------------------------------- paths
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..chunking import Region, grid_indices
+from ..chunking import Region, chunk_count, grid_indices
 from ..errors import CheckpointError
 
 CHUNKS_PER_SHARD = 16  # tiny aligned chunks are accepted up to this many per shard
@@ -252,7 +252,7 @@ def aligned_chunks(
     chunk = tuple(max(1, c) for c in chunks)
     assert is_aligned(shape, boxes, chunk)
     nbytes = math.prod(chunk) * itemsize
-    n_chunks = math.prod(-(-d // c) for d, c in zip(shape, chunk))
+    n_chunks = chunk_count(shape, chunk)
     if nbytes < min_chunk_bytes and n_chunks > CHUNKS_PER_SHARD * max(1, len(boxes)):
         return ChunkPlan(_row_block(shape, budget), False)
     return ChunkPlan(chunk, True)

@@ -11,6 +11,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..hardening import check_checkpoint_path
 from .backend import Backend
 from .base import StoreReader, StoreWriter
+from .commit import is_url
 from .hdf5.backend import HDF5
 from .zarr.backend import ZARR
 
@@ -58,11 +59,6 @@ def detect_backend(path: str | os.PathLike) -> str:
         f"{p} is not a lean_store checkpoint (no HDF5 signature at offset 0 or after a user "
         "block at 512, 1024, 2048, ... bytes, and not a Zarr directory)"
     )
-
-
-def is_url(path: Any) -> bool:
-    """An fsspec URL (``s3://bucket/run/step.zarr``, ``file:///...``): Zarr checkpoints only."""
-    return isinstance(path, str) and "://" in path
 
 
 def open_writer(

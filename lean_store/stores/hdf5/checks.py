@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from ...chunking import chunk_count
 from ...errors import IntegrityError, UnsafeFileError
-from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_chunk_shape, chunk_count
+from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_chunk_shape
 from .crc_table import CHUNK_CRC_ATTR
 
 

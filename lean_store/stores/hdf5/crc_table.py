@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ...chunking import table_size
+from ...chunking import chunk_count
 from ...errors import IntegrityError
 
 CHUNK_CRC_ATTR = "chunk_crc32c"
@@ -83,7 +83,7 @@ def rechunked_message(
 ) -> str:
     """Why a dataset whose chunking no longer matches its ``chunk_crc32c`` table is refused,
     and what to do about it."""
-    grid = table_size(shape, chunks)
+    grid = chunk_count(shape, chunks)
     wanted = table_chunks(shape, n_table)
     node = where.strip("'\"")
     if len(wanted) == 1:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ...chunking import table_size
+from ...chunking import chunk_count
 from ...errors import IntegrityError, UnsafeFileError
 from ...hardening import MAX_ATTR_BYTES, json_depth
 from .crc_table import CHUNK_CRC_ATTR, parse_table
@@ -110,7 +110,7 @@ def parse_manifest(text: Any, where: str) -> dict[str, TensorRecord]:
             raise IntegrityError(f"{where}: manifest {CHUNK_CRC_ATTR} of {node!r} is malformed")
         table = parse_table(np.asarray(raw, dtype=np.int64).astype(np.uint32)
                             if raw else np.zeros(0, np.uint32),
-                            table_size(shape, chunks), repr(node), shape=shape, chunks=chunks)
+                            chunk_count(shape, chunks), repr(node), shape=shape, chunks=chunks)
         out[node] = TensorRecord(node, {k: _attr_value(v) for k, v in attrs.items()}, shape,
                                  chunks, table)
     return out

@@ -257,21 +257,6 @@ class ShardedHDF5Reader(HDF5Reader):
             whole.nbytes_on_disk = sum(i.nbytes_on_disk or 0 for i in infos)
             whole.filters = list(infos[-1].filters) if infos else []
 
-    def read_shard_region(self, node: str, region: tuple[slice, ...], fmt: Any,
-                          out: np.ndarray | None = None) -> np.ndarray | None:
-        """Raw words of ``region`` (global coordinates) read straight from the one shard file
-        holding all of it, with that file's chunk checks; None when ``node`` is not virtual or
-        no single shard holds the region (read through the master then)."""
-        want = Box(tuple(s.start for s in region), tuple(s.stop - s.start for s in region))
-        if want.empty:
-            return None
-        for box, fname, dset in self._virtual(node):
-            if box.intersect(want) == want:
-                self._check_sources(node, [(box, fname, dset)])
-                return self._source(fname).read(
-                    dset.lstrip("/"), Selection.of_region(box.local(region)), fmt, out)
-        return None
-
     def structure_problems(self, node: str) -> list[ChunkProblem]:
         """A virtual dataset: the problems of each shard file's source dataset, named by it."""
         mappings = self._virtual(node)

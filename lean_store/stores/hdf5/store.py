@@ -26,10 +26,10 @@ import numpy as np
 from h5py import h5a, h5d, h5l, h5o, h5p, h5s, h5t, h5z
 from numcodecs.fletcher32 import Fletcher32
 
-from ...chunking import Region, chunk_number, grid_shape, plan_chunks, region_shape, table_size
+from ...chunking import Region, chunk_count, chunk_number, grid_shape, plan_chunks, region_shape
 from ...errors import CheckpointError, IntegrityError, UnsafeFileError
 from ...formats import ScalarFormat
-from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_chunk_shape, chunk_count
+from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_chunk_shape
 from ...integrity import crc32c_of
 from ...layout import Entry
 from ..base import (
@@ -570,7 +570,7 @@ class HDF5Reader(StoreReader):
         table = attrs.get(CHUNK_CRC_ATTR)
         if table is not None:
             chunks = tuple(ds.chunks or ds.shape)
-            self._tables[node] = parse_table(table, table_size(tuple(ds.shape), chunks), repr(node),
+            self._tables[node] = parse_table(table, chunk_count(ds.shape, chunks), repr(node),
                                              shape=tuple(ds.shape), chunks=chunks)
             filters.append("crc32c")
         ftype = ds.id.get_type()
@@ -723,7 +723,7 @@ class HDF5Reader(StoreReader):
             attrs = read_hdf5_attrs(ds, repr(node))
             value = attrs.get(CHUNK_CRC_ATTR)
             self._tables[node] = None if value is None else parse_table(
-                value, table_size(tuple(ds.shape), tuple(ds.chunks or ds.shape)), repr(node)
+                value, chunk_count(tuple(ds.shape), tuple(ds.chunks or ds.shape)), repr(node)
             )
         return self._tables[node]
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ...chunking import grid_shape
 from ...errors import IntegrityError, UnsafeFileError
 from ...hardening import (
     MAX_METADATA_BYTES,
@@ -168,7 +169,7 @@ def zarr_chunk_keys(node: str, array: Any, present: int) -> list[tuple[str, tupl
     from .compat import chunk_key
 
     outer = zarr_grid(node, array)
-    grid = tuple(-(-int(d) // int(c)) for d, c in zip(array.shape, outer))
+    grid = grid_shape(array.shape, outer)
     expected = math.prod(grid)
     if expected > present:
         raise IntegrityError(
