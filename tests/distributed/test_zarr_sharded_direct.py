@@ -4,6 +4,7 @@ stock zarr reads it, and compressed stores keep zarr's path. One process, no tor
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +78,10 @@ def test_direct_files_equal_zarrs_own(tmp_path: Path) -> None:
     got, want = _files(direct), _files(through_zarr)
     assert sorted(got) == sorted(want)
     for key in want:
-        assert got[key] == want[key], key
+        if key == "zarr.json":  # the root: zarr 3.1 orders the consolidated metadata's keys
+            assert json.loads(got[key]) == json.loads(want[key])  # otherwise than later releases
+        else:
+            assert got[key] == want[key], key
     group = zarr.open_group(str(direct), mode="r")
     assert group.attrs["complete"] is True
     assert group.metadata.consolidated_metadata is not None

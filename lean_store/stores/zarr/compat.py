@@ -388,6 +388,20 @@ def crc32c_codec() -> Crc32cCodec:
     return LeanCrc32cCodec() if LEAN_ENCODER else Crc32cCodec()
 
 
+
+
+def writing_empty_chunks(array: Any) -> Any:
+    """``array`` with ``write_empty_chunks`` on, so that a chunk equal to the fill value is
+    written too. zarr >= 3.1.1: ``Array.with_config``; zarr 3.1.0 has no such method, so the
+    array is rebuilt around the same metadata and store path with that configuration."""
+    if hasattr(array, "with_config"):
+        return array.with_config({"write_empty_chunks": True})
+    from zarr.core.array import Array, AsyncArray  # zarr 3.1.0
+
+    inner = array._async_array
+    return Array(AsyncArray(inner.metadata, inner.store_path,
+                            config={"order": inner._config.order, "write_empty_chunks": True}))
+
 __all__ = [
     "LEAN_ENCODER", "LeanCrc32cCodec", "chunk_key", "codec_documents",
     "EncodedDocument", "consolidated_group_document", "crc32c_codec", "encoded_document",

@@ -32,13 +32,14 @@ from ...errors import CheckpointError
 from ...metadata import tensor_attrs
 from ...naming import node_name
 from .. import sharded_layout
-from ..commit import is_url, storage_options_for
+from ..commit import is_url
 from ..sharded_layout import RankShardWriter, ShardedLayout
 from .compat import (
     consolidated_group_document,
     encoded_document,
     json_document_bytes,
     plain_array_document,
+    writing_empty_chunks,
 )
 from .direct_write import DirectWriter, direct_ok
 from .store import (
@@ -51,6 +52,7 @@ from .store import (
     storage_name_of,
     stored_shape,
 )
+from .url import open_url_store
 
 CHECKSUM = "crc32c"
 """The chunk checksum codec (the ``checksum`` save option a sharded save honours)."""
@@ -68,8 +70,10 @@ def chunk_plan(plan: TensorPlan, chunk_bytes: int, *, always_aligned: bool = Fal
                           min_chunk_bytes=0 if always_aligned else 1024)
 
 
-def _options(root: str) -> dict[str, Any]:
-    return {"storage_options": storage_options_for(root)} if is_url(root) else {}
+def _store(root: str) -> Any:
+    """What zarr opens: a local path as is, a URL as an fsspec store (fsspec options from the
+    environment; zarr releases differ in what they do with ``storage_options`` themselves)."""
+    return open_url_store(root, read_only=False) if is_url(root) else root
 
 
 def create_arrays(
@@ -81,7 +85,7 @@ def create_arrays(
         if all(doc is not None for doc in docs):
             write_documents(Path(root), plans, docs)
             return
-    group = zarr.open_group(store=root, mode="w-", zarr_format=3, **_options(root))
+    group = zarr.open_group(store=_store(root), mode="w-", zarr_format=3)
     compressors = compressors_for(compression)
     for plan, cp in zip(plans, chunks):
         entry = plan.entry
@@ -114,8 +118,8 @@ def open_writer(root: str, plan: TensorPlan, cp: ChunkPlan) -> ZarrTensorWriter:
             writer = DirectWriter(array_dir, doc, chunks, None, itemsize)
             return ZarrTensorWriter(doc, entry, cp.chunks, cp.chunks, writer)
     array = zarr.open_array(
-        store=root, path=node_name(plan.entry.name), mode="r+", zarr_format=3, **_options(root)
-    ).with_config({"write_empty_chunks": True})
+        store=_store(root), path=node_name(plan.entry.name), mode="r+", zarr_format=3)
+    array = writing_empty_chunks(array)
     return ZarrTensorWriter(array, plan.entry, cp.chunks, cp.chunks)
 
 
@@ -129,7 +133,7 @@ def finish(root: str, plans: list[TensorPlan], records: list[str], root_attrs: d
         if all(direct_ok(doc) for doc in docs):
             finish_documents(Path(root), plans, docs, records, root_attrs)
             return
-    group = zarr.open_group(store=root, mode="r+", zarr_format=3, **_options(root))
+    group = zarr.open_group(store=_store(root), mode="r+", zarr_format=3)
     for plan, shards in zip(plans, records):
         array = group[node_name(plan.entry.name)]
         array.attrs.update({"shards": shards})
