@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import math
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,8 @@ from ...chunking import Region
 from . import shard_index
 from .compat import BLOSC_SHUFFLES, chunk_key, codec_documents, plain_codecs, sharding_document
 
-INLINE_BYTES = 64 << 10  # a shard's chunks smaller than this are compressed on the caller
+INLINE_BYTES = 64 << 10  # chunks smaller than this are compressed on the caller
+MAX_PENDING = 4  # unsharded chunk files compressed ahead of their writes (bounds the memory)
 
 
 def _crc_bytes(data: Any) -> bytes:
@@ -105,17 +108,53 @@ def _inner_codecs(array: Any) -> list[dict[str, Any]]:
     return codec_documents(array) if shard is None else list(shard.get("codecs") or [])
 
 
+class BloscQueue:
+    """Chunk files of one save compressed on ``pool`` ahead of their writes, across arrays
+    (most tensors are one chunk), and written in order on the caller's thread: at most
+    :data:`MAX_PENDING` in flight, the rest when :meth:`flush` is called before the commit."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self._pending: deque[tuple[Future, Callable[[list[Any]], None]]] = deque()
+
+    def busy(self) -> bool:
+        """Whether chunks are in flight (then a small one queues too, to keep the order)."""
+        return bool(self._pending)
+
+    def submit(self, encode: Callable[[np.ndarray], list[Any]], chunk: np.ndarray,
+               put: Callable[[list[Any]], None]) -> None:
+        """Compress ``chunk`` (a copy the caller no longer touches) on the pool; ``put`` its
+        pieces once they and every earlier chunk's are ready."""
+        self._pending.append((self.pool.submit(encode, chunk), put))
+        while self._pending and (len(self._pending) > MAX_PENDING or self._pending[0][0].done()):
+            self._write_oldest()
+
+    def _write_oldest(self) -> None:
+        future, put = self._pending.popleft()
+        put(future.result())
+
+    def flush(self) -> None:
+        """Write every chunk file still queued."""
+        while self._pending:
+            self._write_oldest()
+
+    def cancel(self) -> None:
+        for future, _put in self._pending:
+            future.cancel()
+        self._pending.clear()
+
+
 class DirectWriter:
     """Writes whole shards (or whole unsharded chunks) of one zarr array as files; ``array`` is
     the zarr array or its metadata document (``zarr_compat.plain_array_document``)."""
 
     def __init__(
         self, root: Path, array: Any, chunks: tuple[int, ...], shards: tuple[int, ...] | None,
-        itemsize: int, linker: Any = None, pool: ThreadPoolExecutor | None = None,
+        itemsize: int, linker: Any = None, queue: BloscQueue | None = None,
     ) -> None:
         self._root = root
         self._blosc = _chunk_codecs(_inner_codecs(array))[1]  # None: uncompressed chunks
-        self._pool = pool  # compresses a shard's chunks in parallel (Blosc only)
+        self._queue = queue  # Blosc chunks compressed on its pool (else on the caller)
         self._array = array
         self._linker = linker  # incremental steps: a lean_store.stores.zarr.incremental.UnitLinker
         self._chunks = chunks
@@ -125,7 +164,8 @@ class DirectWriter:
 
     def write(self, region: Region, data: np.ndarray) -> None:
         """Write the file of the shard (or chunk) whose clipped region is ``region``;
-        ``data`` holds its C-contiguous little-endian bytes."""
+        ``data`` holds its C-contiguous little-endian bytes. A compressed chunk file of an
+        unsharded array may be written later (its bytes copied first), by the queue."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         unit = self._shards or self._chunks
         key = chunk_key(self._array, tuple(s.start // u for s, u in zip(region, unit)))
@@ -135,6 +175,11 @@ class DirectWriter:
             self._made.add(path.parent)
         pieces: list[Any] = []
         if self._shards is None:
+            if self._blosc is not None and self._queue is not None and (
+                    self._queue.busy() or flat.size >= INLINE_BYTES):
+                self._queue.submit(self._chunk_pieces, flat.copy(),
+                                   lambda pieces: self._put(path, key, pieces))
+                return
             pieces += self._chunk_pieces(flat)
         else:
             size = self._chunk_nbytes
@@ -149,6 +194,9 @@ class DirectWriter:
                 offset += nbytes
                 pieces += chunk
             pieces += shard_index.encode(index)
+        self._put(path, key, pieces)
+
+    def _put(self, path: Path, key: str, pieces: list[Any]) -> None:
         if self._linker is not None:
             self._linker.link_or_write(path, key, pieces)
             return
@@ -158,10 +206,10 @@ class DirectWriter:
 
     def _encoded(self, parts: list[np.ndarray]) -> list[list[Any]]:
         """Each chunk's stored pieces; Blosc chunks of a shard compressed on the pool."""
-        if self._blosc is None or self._pool is None or len(parts) < 2 \
+        if self._blosc is None or self._queue is None or len(parts) < 2 \
                 or self._chunk_nbytes < INLINE_BYTES:
             return [self._chunk_pieces(p) for p in parts]
-        return list(self._pool.map(self._chunk_pieces, parts))
+        return list(self._queue.pool.map(self._chunk_pieces, parts))
 
     def _chunk_pieces(self, flat: np.ndarray) -> list[Any]:
         if flat.size < self._chunk_nbytes:  # an edge chunk: zarr pads it with the fill value 0
@@ -196,4 +244,4 @@ def direct_ok(array: Any, *, compressed: bool = False) -> bool:
     )
 
 
-__all__ = ["BloscSettings", "DirectWriter", "blosc_settings", "direct_ok"]
+__all__ = ["BloscQueue", "BloscSettings", "DirectWriter", "blosc_settings", "direct_ok"]

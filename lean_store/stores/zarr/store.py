@@ -60,7 +60,7 @@ from .compat import (
     plain_array_document,
 )
 from .direct_read import DirectReader, direct_read_ok
-from .direct_write import DirectWriter, direct_ok
+from .direct_write import BloscQueue, DirectWriter, direct_ok
 from .incremental import linker_for
 from .verify import structure_problems
 
@@ -251,7 +251,7 @@ class ZarrWriter(StoreWriter):
     # other writers (URLs) go through zarr for all metadata
     _written: dict[str, Any] | None = None
     _all_direct = False
-    _pool: ThreadPoolExecutor | None = None  # Blosc workers of a "weights" save, when used
+    _queue: BloscQueue | None = None  # Blosc workers of a "weights" save, when used
 
     def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None):
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
@@ -284,7 +284,7 @@ class ZarrWriter(StoreWriter):
                 array_dir = self._direct_root / node
                 linker = linker_for(array_dir, node, doc)  # incremental steps only
                 writer = DirectWriter(array_dir, doc, chunks, shards, dtype.itemsize, linker,
-                                      self._blosc_pool() if compressor is not None else None)
+                                      self._blosc_queue() if compressor is not None else None)
                 return ZarrTensorWriter(doc, entry, chunks, shards or chunks, writer,
                                         written=self._written, array_dir=array_dir)
         array = self._group.create_array(
@@ -314,21 +314,28 @@ class ZarrWriter(StoreWriter):
                                 None if chunk_writer is not None else linker,
                                 written=self._written)
 
-    def _blosc_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(WEIGHTS_THREADS, thread_name_prefix="lean_store-blosc")
-        return self._pool
+    def _blosc_queue(self) -> BloscQueue:
+        if self._queue is None:
+            self._queue = BloscQueue(ThreadPoolExecutor(
+                WEIGHTS_THREADS, thread_name_prefix="lean_store-blosc"))
+        return self._queue
 
-    def _stop_pool(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def _stop_pool(self, *, flush: bool) -> None:
+        queue, self._queue = self._queue, None
+        if queue is None:
+            return
+        try:
+            if flush:
+                queue.flush()  # every chunk file written before the root document
+        finally:
+            queue.cancel()
+            queue.pool.shutdown(wait=True, cancel_futures=True)
 
     def _close_quietly(self) -> None:
-        self._stop_pool()
+        self._stop_pool(flush=False)
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
-        self._stop_pool()  # every tensor is closed: its chunks are written
+        self._stop_pool(flush=True)  # every tensor is closed: its last chunk files written
         if self._direct_root is not None and self._all_direct and self._written is not None:
             # every array's final document is known: the root carrying the consolidated
             # metadata and ``complete`` is written once, last, without rereading the arrays
