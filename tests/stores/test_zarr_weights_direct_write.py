@@ -158,3 +158,29 @@ def test_tensorstore_reads_the_direct_files(tmp_path: Path) -> None:
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{path}/{name}"}}
         array = ts.open(spec, read=True).result()
         assert np.asarray(array.read().result()).tobytes() == state[name].tobytes(), name
+
+
+def test_failed_compression_leaves_no_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    """A chunk whose compression fails on the pool fails the save: nothing at the path, no
+    temporary left, and an earlier checkpoint there untouched."""
+    from lean_store.stores.zarr import direct_write
+
+    path = tmp_path / "ck.zarr"
+    ls.save({"w": np.ones(4, np.float32)}, path, compression="weights")
+    before = _files(path)
+    calls = []
+    original = direct_write.BloscSettings.compress
+
+    def failing(self: direct_write.BloscSettings, chunk: np.ndarray) -> bytes:
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("no memory for the frame")
+        return original(self, chunk)
+
+    monkeypatch.setattr(direct_write.BloscSettings, "compress", failing)
+    with pytest.raises(MemoryError):
+        ls.save(_state(1100), path, compression="weights", chunk_bytes=64 << 10)
+    assert len(calls) >= 3
+    assert _files(path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.zarr"]
