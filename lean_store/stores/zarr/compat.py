@@ -27,7 +27,7 @@ import numpy as np
 import zarr
 import zarr.errors
 import zarr.storage
-from zarr.codecs import Crc32cCodec
+from zarr.codecs import BloscCodec, Crc32cCodec
 
 ZarrUserWarning: type[Warning] = getattr(zarr.errors, "ZarrUserWarning", UserWarning)
 """zarr's own warning class (zarr >= 3.1.x; plain ``UserWarning`` before it existed)."""
@@ -113,18 +113,24 @@ def _bytes_codec(dtype: np.dtype) -> dict[str, Any]:
 def plain_array_document(
     shape: Sequence[int], dtype: np.dtype, chunks: Sequence[int], shards: Sequence[int] | None,
     attributes: dict[str, Any], dimension_names: Sequence[str],
+    compressor: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """The ``zarr.json`` document zarr 3's ``create_array`` writes for an uncompressed array
     (codecs ``bytes`` little endian + ``crc32c``, optionally inside ``sharding_indexed`` with a
     ``bytes`` + ``crc32c`` index at the end; fill value 0; the default chunk key encoding), as
     plain JSON values in zarr's key order; None for a data type it does not describe (then
-    ``create_array`` is used). ``tests/stores/test_zarr_fast_metadata.py`` checks it equals
-    zarr's for every format lean_store stores."""
+    ``create_array`` is used). ``compressor``: the document of one bytes-to-bytes codec placed
+    between ``bytes`` and ``crc32c``, as zarr writes it after completing it for the data type
+    (:func:`blosc_document`). ``tests/stores/test_zarr_fast_metadata.py`` and
+    ``tests/stores/test_zarr_weights_direct_write.py`` check it equals zarr's for every format
+    lean_store stores."""
     dtype = np.dtype(dtype)
     if type(dtype).__module__ != "numpy.dtypes" or dtype.kind not in "biufc" \
             or dtype.byteorder == ">":
         return None
     inner = [_bytes_codec(dtype), {"name": "crc32c"}]
+    if compressor is not None:
+        inner.insert(1, compressor)
     if shards is None:
         grid, codecs = list(chunks), inner
     else:
@@ -149,6 +155,25 @@ def plain_array_document(
         "node_type": "array",
         "storage_transformers": [],
     }
+
+
+def blosc_document(codec: BloscCodec, typesize: int) -> dict[str, Any] | None:
+    """The document zarr writes for ``codec`` (a :class:`zarr.codecs.BloscCodec` made without
+    a ``typesize``) in an array of ``typesize``-byte values: its ``to_dict()`` with the type
+    size zarr fills in from the data type (and, with numcodecs >= 0.16, hands to numcodecs'
+    Blosc). None when the codec leaves the shuffle to zarr (chosen per data type) or states
+    its own type size: then zarr writes the array."""
+    doc = codec.to_dict()
+    config = dict(doc.get("configuration") or {})
+    if config.get("shuffle") not in BLOSC_SHUFFLES \
+            or config.get("typesize") != 1:  # 1: zarr's placeholder for "from the data type"
+        return None
+    config["typesize"] = int(typesize)
+    return {"name": doc["name"], "configuration": config}
+
+
+BLOSC_SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+"""The spec's Blosc shuffle names and numcodecs' numbers for them."""
 
 
 def consolidated_group_document(
@@ -403,7 +428,8 @@ def writing_empty_chunks(array: Any) -> Any:
                             config={"order": inner._config.order, "write_empty_chunks": True}))
 
 __all__ = [
-    "LEAN_ENCODER", "LeanCrc32cCodec", "chunk_key", "codec_documents",
+    "BLOSC_SHUFFLES", "LEAN_ENCODER", "LeanCrc32cCodec",
+    "blosc_document", "chunk_key", "codec_documents",
     "EncodedDocument", "consolidated_group_document", "crc32c_codec", "encoded_document",
     "json_document_bytes", "key_of_document",
     "local_root", "metadata_document", "plain_array_document", "plain_codecs", "regular_grid",

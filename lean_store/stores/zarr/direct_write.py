@@ -14,27 +14,134 @@ caller's buffer with no copy:
   ``(offset, nbytes)`` pair of little-endian uint64 per chunk (``2**64-1`` twice for a chunk
   outside the array), then the index's own CRC-32C.
 
+``compression="weights"`` adds one codec between the two, ``blosc`` (zstd, byte shuffle by the
+word width, 1 MiB blocks): each (padded) chunk is then the Blosc 1 frame
+``numcodecs.blosc.compress`` returns for it with the codec's parameters (zarr's ``BloscCodec``
+calls the same function with the same arguments; the frames are deterministic), followed by the
+CRC-32C of the frame. The chunks of a shard are compressed on a small thread pool (numcodecs
+releases the GIL), like the HDF5 backend's Blosc chunks.
+
 ``tests/stores/test_zarr_crc.py`` checks the files are identical to zarr's for aligned, edge and
-sharded arrays, and that stock ``zarr.open_group`` reads them.
+sharded arrays, and that stock ``zarr.open_group`` reads them;
+``tests/stores/test_zarr_weights_direct_write.py`` does the same for ``"weights"``.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import google_crc32c
 import numpy as np
+from numcodecs import blosc
 
 from ...chunking import Region
 from . import shard_index
-from .compat import chunk_key, codec_documents, plain_codecs, sharding_document
+from .compat import BLOSC_SHUFFLES, chunk_key, codec_documents, plain_codecs, sharding_document
+
+INLINE_BYTES = 64 << 10  # chunks smaller than this are compressed on the caller
+MAX_PENDING = 4  # unsharded chunk files compressed ahead of their writes (bounds the memory)
 
 
 def _crc_bytes(data: Any) -> bytes:
     return int(google_crc32c.value(data)).to_bytes(4, "little")
+
+
+@dataclass(frozen=True)
+class BloscSettings:
+    """The parameters of a ``blosc`` codec document, as numcodecs' ``compress`` takes them."""
+
+    cname: bytes
+    clevel: int
+    shuffle: int
+    blocksize: int
+    typesize: int
+
+    def compress(self, chunk: np.ndarray) -> bytes:
+        return blosc.compress(chunk, self.cname, self.clevel, self.shuffle, self.blocksize,
+                              typesize=self.typesize)
+
+
+_CNAMES = ("blosclz", "lz4", "lz4hc", "zlib", "zstd")
+
+
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def blosc_settings(codec: dict[str, Any]) -> BloscSettings | None:
+    """The settings of a ``blosc`` codec document that states every parameter, else None."""
+    config = codec.get("configuration") or {}
+    if codec.get("name") != "blosc" or set(config) != {
+            "typesize", "cname", "clevel", "shuffle", "blocksize"}:
+        return None
+    cname, shuffle = config["cname"], config["shuffle"]
+    if cname not in _CNAMES or shuffle not in BLOSC_SHUFFLES \
+            or not _int_in(config["clevel"], 0, 9) or not _int_in(config["typesize"], 1, 255) \
+            or not _int_in(config["blocksize"], 0, 2**31 - 1):
+        return None
+    return BloscSettings(cname.encode(), config["clevel"], BLOSC_SHUFFLES[shuffle],
+                         config["blocksize"], config["typesize"])
+
+
+def _chunk_codecs(codecs: list[dict[str, Any]]) -> tuple[bool, BloscSettings | None]:
+    """(whether the direct writer writes chunks of these codecs, their Blosc settings): plain
+    ``bytes`` + ``crc32c``, or ``bytes`` + ``blosc`` + ``crc32c``."""
+    if plain_codecs(codecs):
+        return True, None
+    if len(codecs) != 3:
+        return False, None
+    settings = blosc_settings(codecs[1])
+    if settings is None or not plain_codecs([codecs[0], codecs[2]]):
+        return False, None
+    return True, settings
+
+
+def _inner_codecs(array: Any) -> list[dict[str, Any]]:
+    shard = sharding_document(array)
+    return codec_documents(array) if shard is None else list(shard.get("codecs") or [])
+
+
+class BloscQueue:
+    """Chunk files of one save compressed on ``pool`` ahead of their writes, across arrays
+    (most tensors are one chunk), and written in order on the caller's thread: at most
+    :data:`MAX_PENDING` in flight, the rest when :meth:`flush` is called before the commit."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self._pending: deque[tuple[Future, Callable[[list[Any]], None]]] = deque()
+
+    def busy(self) -> bool:
+        """Whether chunks are in flight (then a small one queues too, to keep the order)."""
+        return bool(self._pending)
+
+    def submit(self, encode: Callable[[np.ndarray], list[Any]], chunk: np.ndarray,
+               put: Callable[[list[Any]], None]) -> None:
+        """Compress ``chunk`` (a copy the caller no longer touches) on the pool; ``put`` its
+        pieces once they and every earlier chunk's are ready."""
+        self._pending.append((self.pool.submit(encode, chunk), put))
+        while self._pending and (len(self._pending) > MAX_PENDING or self._pending[0][0].done()):
+            self._write_oldest()
+
+    def _write_oldest(self) -> None:
+        future, put = self._pending.popleft()
+        put(future.result())
+
+    def flush(self) -> None:
+        """Write every chunk file still queued."""
+        while self._pending:
+            self._write_oldest()
+
+    def cancel(self) -> None:
+        for future, _put in self._pending:
+            future.cancel()
+        self._pending.clear()
 
 
 class DirectWriter:
@@ -43,9 +150,11 @@ class DirectWriter:
 
     def __init__(
         self, root: Path, array: Any, chunks: tuple[int, ...], shards: tuple[int, ...] | None,
-        itemsize: int, linker: Any = None,
+        itemsize: int, linker: Any = None, queue: BloscQueue | None = None,
     ) -> None:
         self._root = root
+        self._blosc = _chunk_codecs(_inner_codecs(array))[1]  # None: uncompressed chunks
+        self._queue = queue  # Blosc chunks compressed on its pool (else on the caller)
         self._array = array
         self._linker = linker  # incremental steps: a lean_store.stores.zarr.incremental.UnitLinker
         self._chunks = chunks
@@ -55,7 +164,8 @@ class DirectWriter:
 
     def write(self, region: Region, data: np.ndarray) -> None:
         """Write the file of the shard (or chunk) whose clipped region is ``region``;
-        ``data`` holds its C-contiguous little-endian bytes."""
+        ``data`` holds its C-contiguous little-endian bytes. A compressed chunk file of an
+        unsharded array may be written later (its bytes copied first), by the queue."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         unit = self._shards or self._chunks
         key = chunk_key(self._array, tuple(s.start // u for s, u in zip(region, unit)))
@@ -65,22 +175,28 @@ class DirectWriter:
             self._made.add(path.parent)
         pieces: list[Any] = []
         if self._shards is None:
+            if self._blosc is not None and self._queue is not None and (
+                    self._queue.busy() or flat.size >= INLINE_BYTES):
+                self._queue.submit(self._chunk_pieces, flat.copy(),
+                                   lambda pieces: self._put(path, key, pieces))
+                return
             pieces += self._chunk_pieces(flat)
         else:
             size = self._chunk_nbytes
             per_shard = math.prod(s // c for s, c in zip(self._shards, self._chunks))
+            parts = [flat[j * size: (j + 1) * size] for j in range(per_shard)]
+            parts = [p for p in parts if p.size]  # row blocks: the chunks inside the array
             index = shard_index.empty(per_shard)
             offset = 0
-            for j in range(per_shard):
-                part = flat[j * size: (j + 1) * size]
-                if part.size == 0:
-                    break
-                chunk = self._chunk_pieces(part)
+            for j, chunk in enumerate(self._encoded(parts)):
                 nbytes = sum(len(memoryview(p)) for p in chunk)
                 index[j] = (offset, nbytes)
                 offset += nbytes
                 pieces += chunk
             pieces += shard_index.encode(index)
+        self._put(path, key, pieces)
+
+    def _put(self, path: Path, key: str, pieces: list[Any]) -> None:
         if self._linker is not None:
             self._linker.link_or_write(path, key, pieces)
             return
@@ -88,27 +204,44 @@ class DirectWriter:
             for piece in pieces:
                 f.write(piece)
 
+    def _encoded(self, parts: list[np.ndarray]) -> list[list[Any]]:
+        """Each chunk's stored pieces; Blosc chunks of a shard compressed on the pool."""
+        if self._blosc is None or self._queue is None or len(parts) < 2 \
+                or self._chunk_nbytes < INLINE_BYTES:
+            return [self._chunk_pieces(p) for p in parts]
+        return list(self._queue.pool.map(self._chunk_pieces, parts))
+
     def _chunk_pieces(self, flat: np.ndarray) -> list[Any]:
         if flat.size < self._chunk_nbytes:  # an edge chunk: zarr pads it with the fill value 0
             full = np.zeros(self._chunk_nbytes, np.uint8)
             full[: flat.size] = flat
             flat = full
+        if self._blosc is not None:
+            frame = self._blosc.compress(flat)
+            return [frame, _crc_bytes(frame)]
         return [flat, _crc_bytes(flat)]
 
 
-def direct_ok(array: Any) -> bool:
-    """True when ``array``'s codecs are exactly the layout :class:`DirectWriter` writes."""
+def direct_ok(array: Any, *, compressed: bool = False) -> bool:
+    """True when ``array``'s codecs are exactly a layout :class:`DirectWriter` writes: plain
+    ``bytes`` + ``crc32c`` chunks, or with ``compressed`` also ``bytes`` + ``blosc`` (every
+    parameter stated) + ``crc32c`` (what ``compression="weights"`` writes)."""
     if sys.byteorder != "little":
         return False
+
+    def fits(codecs: list[dict[str, Any]]) -> bool:
+        ok, settings = _chunk_codecs(codecs)
+        return ok and (compressed or settings is None)
+
     shard = sharding_document(array)
     if shard is None:
-        return plain_codecs(codec_documents(array))
+        return fits(codec_documents(array))
     return (
         len(codec_documents(array)) == 1
-        and plain_codecs(shard.get("codecs") or [])
+        and fits(list(shard.get("codecs") or []))
         and plain_codecs(shard.get("index_codecs") or [])
         and shard.get("index_location", "end") == "end"
     )
 
 
-__all__ = ["DirectWriter", "direct_ok"]
+__all__ = ["BloscQueue", "BloscSettings", "DirectWriter", "blosc_settings", "direct_ok"]

@@ -14,6 +14,7 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from .checks import (
 )
 from .compat import (
     ZarrUserWarning,
+    blosc_document,
     consolidated_group_document,
     crc32c_codec,
     encoded_document,
@@ -58,7 +60,7 @@ from .compat import (
     plain_array_document,
 )
 from .direct_read import DirectReader, direct_read_ok
-from .direct_write import DirectWriter, direct_ok
+from .direct_write import BloscQueue, DirectWriter, direct_ok
 from .incremental import linker_for
 from .verify import structure_problems
 
@@ -142,6 +144,21 @@ def weights_codec() -> BloscCodec:
     and zarrs) with a byte shuffle grouped by the stored word width (its ``typesize`` is taken
     from the array's data type) and zstd level 1: exponent bytes apart from mantissa bytes."""
     return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", blocksize=WEIGHTS_BLOCK_BYTES)
+
+
+WEIGHTS_THREADS = 2  # Blosc workers of a "weights" save (numcodecs releases the GIL)
+
+
+def _direct_compressor(compression: Any, itemsize: int) -> tuple[bool, dict[str, Any] | None]:
+    """(whether the direct writer writes arrays saved with ``compression``, the document of
+    the codec between ``bytes`` and ``crc32c``): uncompressed and ``"weights"`` only; every
+    other compression goes through zarr's codec pipeline."""
+    if compression in (None, False):
+        return True, None
+    if compression == "weights":
+        doc = blosc_document(weights_codec(), itemsize)
+        return doc is not None, doc
+    return False, None
 
 
 def compressors_for(compression: Any) -> list[Any]:
@@ -234,6 +251,7 @@ class ZarrWriter(StoreWriter):
     # other writers (URLs) go through zarr for all metadata
     _written: dict[str, Any] | None = None
     _all_direct = False
+    _queue: BloscQueue | None = None  # Blosc workers of a "weights" save, when used
 
     def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None):
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
@@ -254,15 +272,19 @@ class ZarrWriter(StoreWriter):
         n_chunks = math.prod(math.ceil(d / c) for d, c in zip(shape, chunks) if d)
         shards = grow_chunks(shape, chunks, SHARD_FACTOR) if n_chunks >= SHARD_MIN_CHUNKS else None
         node = node_name(entry.name)
-        if self._direct_root is not None and self.compression in (None, False):
-            # lean_store's uncompressed layout: the metadata document is written at close,
-            # once, as create_array would write it; the chunk files by the direct writer
+        direct, compressor = _direct_compressor(self.compression, dtype.itemsize)
+        if self._direct_root is not None and direct:
+            # lean_store's uncompressed and "weights" layouts: the metadata document is
+            # written at close, once, as create_array would write it; the chunk files by the
+            # direct writer (Blosc chunks compressed on the writer's pool)
             doc = plain_array_document(shape, dtype, chunks, shards, _plain(attrs),
-                                       dimension_names(entry))
-            if doc is not None and direct_ok(doc):
+                                       dimension_names(entry), compressor)
+            if doc is not None and (direct_ok(doc) if compressor is None
+                                    else direct_ok(doc, compressed=True)):
                 array_dir = self._direct_root / node
                 linker = linker_for(array_dir, node, doc)  # incremental steps only
-                writer = DirectWriter(array_dir, doc, chunks, shards, dtype.itemsize, linker)
+                writer = DirectWriter(array_dir, doc, chunks, shards, dtype.itemsize, linker,
+                                      self._blosc_queue() if compressor is not None else None)
                 return ZarrTensorWriter(doc, entry, chunks, shards or chunks, writer,
                                         written=self._written, array_dir=array_dir)
         array = self._group.create_array(
@@ -279,18 +301,41 @@ class ZarrWriter(StoreWriter):
             config={"write_empty_chunks": True},
         )
         self._all_direct = False
-        direct: DirectWriter | None = None
+        chunk_writer: DirectWriter | None = None
         if self._direct_root is not None:
             array_dir = self._direct_root / node
             linker = linker_for(array_dir, node)  # incremental steps only
             if self.compression in (None, False) and direct_ok(array):
-                direct = DirectWriter(array_dir, array, chunks, shards, dtype.itemsize, linker)
+                chunk_writer = DirectWriter(array_dir, array, chunks, shards, dtype.itemsize,
+                                            linker)
         else:
             linker = None
-        return ZarrTensorWriter(array, entry, chunks, shards or chunks, direct,
-                                None if direct is not None else linker, written=self._written)
+        return ZarrTensorWriter(array, entry, chunks, shards or chunks, chunk_writer,
+                                None if chunk_writer is not None else linker,
+                                written=self._written)
+
+    def _blosc_queue(self) -> BloscQueue:
+        if self._queue is None:
+            self._queue = BloscQueue(ThreadPoolExecutor(
+                WEIGHTS_THREADS, thread_name_prefix="lean_store-blosc"))
+        return self._queue
+
+    def _stop_pool(self, *, flush: bool) -> None:
+        queue, self._queue = self._queue, None
+        if queue is None:
+            return
+        try:
+            if flush:
+                queue.flush()  # every chunk file written before the root document
+        finally:
+            queue.cancel()
+            queue.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _close_quietly(self) -> None:
+        self._stop_pool(flush=False)
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
+        self._stop_pool(flush=True)  # every tensor is closed: its last chunk files written
         if self._direct_root is not None and self._all_direct and self._written is not None:
             # every array's final document is known: the root carrying the consolidated
             # metadata and ``complete`` is written once, last, without rereading the arrays
