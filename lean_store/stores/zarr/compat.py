@@ -16,7 +16,7 @@ import json
 import math
 import os
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _encode_str
 from pathlib import Path
@@ -164,7 +164,8 @@ def blosc_document(codec: BloscCodec, typesize: int) -> dict[str, Any] | None:
     Blosc). None when the codec leaves the shuffle to zarr (chosen per data type) or states
     its own type size: then zarr writes the array."""
     doc = codec.to_dict()
-    config = dict(doc.get("configuration") or {})
+    raw = doc.get("configuration")
+    config: dict[str, Any] = dict(raw) if isinstance(raw, Mapping) else {}
     if config.get("shuffle") not in BLOSC_SHUFFLES \
             or config.get("typesize") != 1:  # 1: zarr's placeholder for "from the data type"
         return None
