@@ -567,18 +567,10 @@ def load(
     strict_order: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> LoadResult:
-    """Load a checkpoint in place into a torch module, a state dict, or a dict of arrays.
-
-    The whole checkpoint is validated first (header, count, names, shapes, formats, widths,
-    payload lengths) and, with ``verify=True``, every checksum is checked too. Only then is
-    anything copied in; on any error the target is unchanged. There is never a silent cast:
-    pass ``cast={"name": "float32"}`` to convert a tensor explicitly.
-    Tensors are matched by name, so a file whose tensors are in another order (a converted
-    safetensors file is sorted by name) loads; ``strict_order=True`` also requires the file's
-    tensors to be in the target's order.
-    This is the single-process load; :func:`lean_store.load` (the API layer) sends sharded
-    loads (a ``process_group``, or DTensors / ``LocalShard`` values) to
-    :mod:`lean_store.distributed` instead.
+    """The single-process load behind :func:`lean_store.load`, whose docstring is the
+    contract (validated first, every checksum checked with ``verify``, the target unchanged on
+    any error, no silent cast, tensors matched by name). Sharded loads (a ``process_group``,
+    or DTensors / ``LocalShard`` values) go to :mod:`lean_store.distributed` instead.
     """
     casts = _casts(cast)
     targets = tensor_targets(target)
