@@ -298,12 +298,6 @@ class Checkpoint(Mapping[str, TensorHandle]):
             return self._sharded_blocks(entry, shards, unit, out, reuse, on_error)
         return self._tensor_blocks(entry, unit, out, reuse, on_error)
 
-    def iter_bits(
-        self, entry: Entry, out: np.ndarray | None = None, *, reuse: bool = False
-    ) -> Iterator[tuple[Region, np.ndarray]]:
-        """``blocks(entry.name, out=out, reuse=reuse)``."""
-        return self.blocks(entry.name, out=out, reuse=reuse)
-
     def verify(self, names: Iterable[str] | None = None) -> None:
         """Read every tensor (or those of ``names``) and check every chunk checksum and
         digest; IntegrityError at the first problem (:func:`lean_store.verify` lists all)."""

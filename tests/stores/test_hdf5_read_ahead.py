@@ -61,7 +61,7 @@ def test_bad_chunk_never_handed_out(tmp_path: Path) -> None:
     with ls.open(path) as ck:
         seen = []
         with pytest.raises(ls.IntegrityError, match=r"'w'.*chunk \(2, 0\)"):
-            for region, _ in ck.iter_bits(ck.layout["w"], reuse=True):
+            for region, _ in ck.blocks("w", reuse=True):
                 seen.append(region[0].start)
         assert seen == [0, 256]  # chunks 0 and 1 only
     target = {k: np.zeros_like(v) for k, v in state.items()}

@@ -22,12 +22,12 @@ built into every HDF5 library.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from numcodecs.fletcher32 import Fletcher32
 
 from ...errors import IntegrityError, UnsafeFileError
 from ..blosc_frames import FORMAT, decode_frame, frame_size_limit
+from ..ordered_pool import OrderedPool
 
 BLOSC_FILTER = 32001
 """HDF5 filter id of Blosc (hdf5-blosc, hdf5plugin.Blosc)."""
@@ -45,7 +46,6 @@ WEIGHTS_LEVEL = 1
 WEIGHTS_SHUFFLE = blosc.SHUFFLE  # 1: byte shuffle by the type size
 WEIGHTS_COMPRESSOR = 5  # hdf5-blosc's code for zstd
 WEIGHTS_BLOCK_BYTES = 1 << 20  # as the Zarr backend's "weights": zstd sees 1 MiB at a time
-MAX_PENDING = 4  # chunks compressed ahead of the file writes (bounds the extra memory)
 INLINE_BYTES = 64 << 10  # smaller chunks are compressed on the calling thread when idle
 _FLETCHER32 = Fletcher32()
 
@@ -125,36 +125,26 @@ class BloscChunks:
 
     def __init__(self, pool: ThreadPoolExecutor, itemsize: int, fletcher32: bool,
                  put: Callable[[tuple[int, ...], Any], None]) -> None:
-        self._pool = pool
         self._itemsize = itemsize
         self._fletcher32 = fletcher32
         self._put = put
-        self._pending: deque[tuple[tuple[int, ...], Future]] = deque()
+        self._queue = OrderedPool(pool)
 
     def submit(self, offset: tuple[int, ...], chunk: np.ndarray) -> None:
         """Queue one full chunk (its bytes, padded to the chunk shape). It is copied for the
         workers, so the caller may reuse ``chunk``'s memory as soon as this returns."""
-        if not self._pending and chunk.nbytes < INLINE_BYTES:  # not worth a thread hand-off
+        if not self._queue.busy() and chunk.nbytes < INLINE_BYTES:  # not worth a hand-off
             self._put(offset, _encode(chunk, self._itemsize, self._fletcher32))
             return
-        self._pending.append(
-            (offset, self._pool.submit(_encode, chunk.copy(), self._itemsize, self._fletcher32)))
-        while self._pending and (len(self._pending) > MAX_PENDING or self._pending[0][1].done()):
-            self._write_oldest()
-
-    def _write_oldest(self) -> None:
-        offset, future = self._pending.popleft()
-        self._put(offset, future.result())
+        self._queue.submit(functools.partial(self._put, offset), _encode, chunk.copy(),
+                           self._itemsize, self._fletcher32)
 
     def flush(self) -> None:
         """Write every queued chunk."""
-        while self._pending:
-            self._write_oldest()
+        self._queue.flush()
 
     def cancel(self) -> None:
-        for _offset, future in self._pending:
-            future.cancel()
-        self._pending.clear()
+        self._queue.cancel()
 
 
 _FRAMES = threading.local()  # per thread: a reused buffer for stored chunks read with pread

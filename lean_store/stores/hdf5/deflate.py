@@ -16,17 +16,18 @@ checks the bytes against HDF5's own filters.
 
 from __future__ import annotations
 
+import functools
 import zlib
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 from numcodecs.fletcher32 import Fletcher32
 
+from ..ordered_pool import OrderedPool
+
 _FLETCHER32 = Fletcher32()
-MAX_PENDING = 4  # chunks compressed ahead of the file writes (bounds the extra memory)
 
 
 def shuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
@@ -76,41 +77,30 @@ class DeflateChunks:
 
     def __init__(self, pool: ThreadPoolExecutor, itemsize: int, level: int,
                  fletcher32: bool, put: Callable[[tuple[int, ...], Any], None]) -> None:
-        self._pool = pool
         self._itemsize = itemsize
         self._level = level
         self._fletcher32 = fletcher32
         self._put = put
-        self._pending: deque[tuple[tuple[int, ...], Future]] = deque()
+        self._queue = OrderedPool(pool)
 
     def submit(self, offset: tuple[int, ...], chunk: np.ndarray) -> None:
         """Queue one full chunk (its bytes, padded to the chunk shape). The shuffle copies it
         here, so the caller may reuse ``chunk``'s memory as soon as this returns."""
         shuffled = shuffle(chunk, self._itemsize)
-        if not self._pending and chunk.nbytes < INLINE_BYTES:  # not worth a thread hand-off
+        if not self._queue.busy() and chunk.nbytes < INLINE_BYTES:  # not worth a hand-off
             self._put(offset, _encode(shuffled, self._itemsize, self._level, self._fletcher32))
             return
         if shuffled is chunk:
             shuffled = chunk.copy()
-        self._pending.append(
-            (offset, self._pool.submit(_encode, shuffled, self._itemsize, self._level,
-                                       self._fletcher32)))
-        while self._pending and (len(self._pending) > MAX_PENDING or self._pending[0][1].done()):
-            self._write_oldest()
-
-    def _write_oldest(self) -> None:
-        offset, future = self._pending.popleft()
-        self._put(offset, future.result())
+        self._queue.submit(functools.partial(self._put, offset), _encode, shuffled,
+                           self._itemsize, self._level, self._fletcher32)
 
     def flush(self) -> None:
         """Write every queued chunk."""
-        while self._pending:
-            self._write_oldest()
+        self._queue.flush()
 
     def cancel(self) -> None:
-        for _offset, future in self._pending:
-            future.cancel()
-        self._pending.clear()
+        self._queue.cancel()
 
 
 __all__ = ["DeflateChunks", "deflate_planes", "shuffle"]

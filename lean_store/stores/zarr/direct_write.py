@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,11 +39,11 @@ import numpy as np
 from numcodecs import blosc
 
 from ...chunking import Region
+from ..ordered_pool import OrderedPool
 from . import shard_index
 from .compat import BLOSC_SHUFFLES, chunk_key, codec_documents, plain_codecs, sharding_document
 
 INLINE_BYTES = 64 << 10  # chunks smaller than this are compressed on the caller
-MAX_PENDING = 4  # unsharded chunk files compressed ahead of their writes (bounds the memory)
 
 
 def _crc_bytes(data: Any) -> bytes:
@@ -108,49 +105,13 @@ def _inner_codecs(array: Any) -> list[dict[str, Any]]:
     return codec_documents(array) if shard is None else list(shard.get("codecs") or [])
 
 
-class BloscQueue:
-    """Chunk files of one save compressed on ``pool`` ahead of their writes, across arrays
-    (most tensors are one chunk), and written in order on the caller's thread: at most
-    :data:`MAX_PENDING` in flight, the rest when :meth:`flush` is called before the commit."""
-
-    def __init__(self, pool: ThreadPoolExecutor) -> None:
-        self.pool = pool
-        self._pending: deque[tuple[Future, Callable[[list[Any]], None]]] = deque()
-
-    def busy(self) -> bool:
-        """Whether chunks are in flight (then a small one queues too, to keep the order)."""
-        return bool(self._pending)
-
-    def submit(self, encode: Callable[[np.ndarray], list[Any]], chunk: np.ndarray,
-               put: Callable[[list[Any]], None]) -> None:
-        """Compress ``chunk`` (a copy the caller no longer touches) on the pool; ``put`` its
-        pieces once they and every earlier chunk's are ready."""
-        self._pending.append((self.pool.submit(encode, chunk), put))
-        while self._pending and (len(self._pending) > MAX_PENDING or self._pending[0][0].done()):
-            self._write_oldest()
-
-    def _write_oldest(self) -> None:
-        future, put = self._pending.popleft()
-        put(future.result())
-
-    def flush(self) -> None:
-        """Write every chunk file still queued."""
-        while self._pending:
-            self._write_oldest()
-
-    def cancel(self) -> None:
-        for future, _put in self._pending:
-            future.cancel()
-        self._pending.clear()
-
-
 class DirectWriter:
     """Writes whole shards (or whole unsharded chunks) of one zarr array as files; ``array`` is
     the zarr array or its metadata document (``zarr_compat.plain_array_document``)."""
 
     def __init__(
         self, root: Path, array: Any, chunks: tuple[int, ...], shards: tuple[int, ...] | None,
-        itemsize: int, linker: Any = None, queue: BloscQueue | None = None,
+        itemsize: int, linker: Any = None, queue: OrderedPool | None = None,
     ) -> None:
         self._root = root
         self._blosc = _chunk_codecs(_inner_codecs(array))[1]  # None: uncompressed chunks
@@ -177,8 +138,8 @@ class DirectWriter:
         if self._shards is None:
             if self._blosc is not None and self._queue is not None and (
                     self._queue.busy() or flat.size >= INLINE_BYTES):
-                self._queue.submit(self._chunk_pieces, flat.copy(),
-                                   lambda pieces: self._put(path, key, pieces))
+                self._queue.submit(lambda pieces: self._put(path, key, pieces),
+                                   self._chunk_pieces, flat.copy())
                 return
             pieces += self._chunk_pieces(flat)
         else:
@@ -244,4 +205,4 @@ def direct_ok(array: Any, *, compressed: bool = False) -> bool:
     )
 
 
-__all__ = ["BloscQueue", "BloscSettings", "DirectWriter", "blosc_settings", "direct_ok"]
+__all__ = ["BloscSettings", "DirectWriter", "blosc_settings", "direct_ok"]

@@ -37,6 +37,7 @@ from ..base import (
     StoreWriter,
     TensorWriter,
 )
+from ..ordered_pool import OrderedPool
 from .checks import (
     check_zarr_array,
     check_zarr_document,
@@ -60,7 +61,7 @@ from .compat import (
     plain_array_document,
 )
 from .direct_read import DirectReader, direct_read_ok
-from .direct_write import BloscQueue, DirectWriter, direct_ok
+from .direct_write import DirectWriter, direct_ok
 from .incremental import linker_for
 from .verify import structure_problems
 
@@ -251,7 +252,7 @@ class ZarrWriter(StoreWriter):
     # other writers (URLs) go through zarr for all metadata
     _written: dict[str, Any] | None = None
     _all_direct = False
-    _queue: BloscQueue | None = None  # Blosc workers of a "weights" save, when used
+    _queue: OrderedPool | None = None  # Blosc workers of a "weights" save, when used
 
     def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None):
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
@@ -314,9 +315,9 @@ class ZarrWriter(StoreWriter):
                                 None if chunk_writer is not None else linker,
                                 written=self._written)
 
-    def _blosc_queue(self) -> BloscQueue:
+    def _blosc_queue(self) -> OrderedPool:
         if self._queue is None:
-            self._queue = BloscQueue(ThreadPoolExecutor(
+            self._queue = OrderedPool(ThreadPoolExecutor(
                 WEIGHTS_THREADS, thread_name_prefix="lean_store-blosc"))
         return self._queue
 
