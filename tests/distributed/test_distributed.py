@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 
+import gloo_world
 import numpy as np
 import pytest
 from torch_optional import require_torch
@@ -23,7 +21,6 @@ from torch_optional import require_torch
 require_torch()  # every test here runs torch.distributed
 
 HERE = Path(__file__).resolve()
-PY = sys.executable
 WORLD_TIMEOUT = 120
 STEPS = 1  # one exact step; later steps would round sums in a different order
 
@@ -268,57 +265,14 @@ SCENARIOS = {"save4": scenario_save4, "load2": scenario_load2, "die": scenario_d
 
 def worker(scenario: str, rank: int, world: int, port: int, out: Path,
            scenarios: dict | None = None) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
-        rec = (scenarios or SCENARIOS)[scenario](rank, world, out)
-        (out / f"{scenario}-{rank}.json").write_text(json.dumps(rec))
-    finally:
-        dist.destroy_process_group()
-
-
-# ------------------------------------------------------------------------- harness
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    gloo_world.worker(scenarios or SCENARIOS, scenario, rank, world, port, out)
 
 
 def run_world(scenario: str, world: int, out: Path, expect_rc: dict | None = None,
               script: Path = HERE) -> list[dict]:
     """Run ``script SCENARIO RANK WORLD PORT OUT`` as ``world`` ranks; their records."""
-    port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "MASTER_ADDR": "127.0.0.1",  # the repository root and tests/ (torch_optional):
-           "PYTHONPATH": os.pathsep.join([str(HERE.parents[2]), str(HERE.parents[1]),
-                                          os.environ.get("PYTHONPATH", "")])}
-    procs = [
-        subprocess.Popen([PY, str(script), scenario, str(r), str(world), str(port), str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=WORLD_TIMEOUT)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    expect_rc = expect_rc or {}
-    for r, p in enumerate(procs):
-        want = expect_rc.get(r, 0)
-        assert p.returncode == want, f"rank {r} exited {p.returncode}:\n{logs[r][-4000:]}"
-    return [
-        json.loads((out / f"{scenario}-{r}.json").read_text())
-        if (out / f"{scenario}-{r}.json").exists() else None
-        for r in range(world)
-    ]
+    return gloo_world.run_world(script, scenario, world, out, timeout=WORLD_TIMEOUT,
+                                expect_rc=expect_rc)
 
 
 @pytest.fixture(scope="module")
@@ -552,5 +506,4 @@ def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint(tmp_path):
 
 
 if __name__ == "__main__":
-    _scenario, _rank, _world, _port, _out = sys.argv[1:6]
-    worker(_scenario, int(_rank), int(_world), int(_port), Path(_out))
+    gloo_world.main(SCENARIOS)

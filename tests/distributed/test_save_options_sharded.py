@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import socket
-import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 
+import gloo_world
 import h5py
 import numpy as np
 import pytest
@@ -24,8 +20,6 @@ import lean_store as ls
 from lean_store import SaveOptions
 
 HERE = Path(__file__).resolve()
-TESTS = next(p for p in HERE.parents if (p / "torch_optional.py").exists())
-ROOT = TESTS.parent
 ROWS, COLS = 64, 256  # float32: 64 KiB, 32 rows per rank in a 2-rank world
 WORLD_TIMEOUT = 120
 
@@ -110,46 +104,9 @@ def scenario_options(rank: int, world: int, out: Path) -> dict:
 SCENARIOS = {"options": scenario_options}
 
 
-def worker(scenario: str, rank: int, world: int, port: int, out: Path) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
-        rec = SCENARIOS[scenario](rank, world, out)
-        (out / f"{scenario}-{rank}.json").write_text(json.dumps(rec))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(scenario: str, world: int, out: Path) -> list[dict]:
     """Run this file as ``world`` ranks of ``scenario``; their records."""
-    port = free_port()
-    path = os.pathsep.join([str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path, "GLOO_SOCKET_IFNAME": "lo",
-           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    procs = [subprocess.Popen([sys.executable, str(HERE), scenario, str(r), str(world),
-                               str(port), str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-             for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=WORLD_TIMEOUT)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r][-4000:]}"
-    return [json.loads((out / f"{scenario}-{r}.json").read_text()) for r in range(world)]
+    return gloo_world.run_world(HERE, scenario, world, out, timeout=WORLD_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -230,5 +187,4 @@ def test_sharded_refusals_name_the_option(sharded_world, key: str, field: str) -
 
 
 if __name__ == "__main__":
-    _scenario, _rank, _world, _port, _out = sys.argv[1:6]
-    worker(_scenario, int(_rank), int(_world), int(_port), Path(_out))
+    gloo_world.main(SCENARIOS, timeout_s=60)

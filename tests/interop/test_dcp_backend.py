@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import socket
-import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 
+import gloo_world
 import numpy as np
 import pytest
 from helpers import SUFFIX
@@ -35,7 +31,6 @@ import lean_store as ls  # noqa: E402
 import lean_store.interop.dcp as lsd  # noqa: E402
 
 HERE = Path(__file__).resolve()
-PY = sys.executable
 WORLD_TIMEOUT = 180
 
 
@@ -466,45 +461,9 @@ def scenario_load2(rank: int, world: int, out: Path) -> dict:
 SCENARIOS = {"save4": scenario_save4, "load2": scenario_load2}
 
 
-def worker(scenario: str, rank: int, world: int, port: int, out: Path) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=90))
-    try:
-        rec = SCENARIOS[scenario](rank, world, out)
-        (out / f"{scenario}-{rank}.json").write_text(json.dumps(rec))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(scenario: str, world: int, out: Path) -> list[dict]:
-    port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "MASTER_ADDR": "127.0.0.1",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parents[2]), str(HERE.parents[1]),
-                                          os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([PY, str(HERE), scenario, str(r), str(world), str(port), str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-             for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=WORLD_TIMEOUT)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r][-4000:]}"
-    return [json.loads((out / f"{scenario}-{r}.json").read_text()) for r in range(world)]
+    """Run this file as ``world`` ranks of ``scenario``; their records."""
+    return gloo_world.run_world(HERE, scenario, world, out, timeout=WORLD_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -624,5 +583,4 @@ def test_interleaved_strided_rows_and_partial_are_refused_in_plain_words(worlds)
 
 
 if __name__ == "__main__":
-    _scenario, _rank, _world, _port, _out = sys.argv[1:6]
-    worker(_scenario, int(_rank), int(_world), int(_port), Path(_out))
+    gloo_world.main(SCENARIOS, timeout_s=90)
