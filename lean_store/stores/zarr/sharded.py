@@ -218,6 +218,7 @@ def finish_documents(root: Path, plans: list[TensorPlan], docs: list[dict[str, A
 class _ZarrRankWriter(RankShardWriter):
     def __init__(self, root: str) -> None:
         self._root = root
+        self._sinks: dict[int, ZarrTensorWriter] = {}  # tensor index -> its array, opened once
 
     def write(self, plan: TensorPlan, chunk: ChunkPlan | None, k: int, box: Box,
               read: Callable[[tuple[slice, ...]], np.ndarray]) -> tuple[int, tuple[int, ...]]:
@@ -226,7 +227,9 @@ class _ZarrRankWriter(RankShardWriter):
         if not chunk.aligned:  # shared chunks: the caller takes turns; units of about 4 MiB
             unit = plan_chunks(box.lengths, plan.entry.format.storage_dtype.itemsize,
                                DEFAULT_CHUNK_BYTES)
-        sink = open_writer(self._root, plan, chunk)
+        sink = self._sinks.get(plan.entry.index)
+        if sink is None:  # a rank may own several shards of one tensor
+            sink = self._sinks[plan.entry.index] = open_writer(self._root, plan, chunk)
         return sharded_layout.write_box(read, box, unit, sink.write), tuple(unit)
 
 
