@@ -214,3 +214,20 @@ def test_h5py_without_lean_store_reads_float_formats_exactly(
             assert entry["dtype"] == "bool" and entry["words"] == [1, 0, 1]
         else:
             assert entry["dtype"] == tag and entry["words"] == value.tolist()
+
+
+def test_h5repack_copies_a_checkpoint_whose_manifest_exceeds_64_kib(tmp_path: Path) -> None:
+    """Hundreds of tensors make the root ``manifest`` attribute larger than 64 KiB, which only
+    files of the HDF5 1.8 format or later hold: ``h5repack -L`` copies such a checkpoint, and
+    the copy loads and verifies (docs/INTEROP.md)."""
+    import h5py
+
+    state = {f"layer{i}.bias": np.full(64, i, np.float32) for i in range(300)}
+    path, copy = tmp_path / "many.h5", tmp_path / "copy.h5"
+    ls.save(state, path)
+    with h5py.File(path, "r") as f:
+        assert f.attrs.get_id("manifest").get_storage_size() > 64 << 10
+    subprocess.run(["h5repack", "-L", str(path), str(copy)], check=True, capture_output=True)
+    got = ls.load_state(copy)
+    assert all(got[k].tobytes() == v.tobytes() for k, v in state.items())
+    assert ls.verify(copy).ok
