@@ -12,7 +12,6 @@ h5dump verify chunks on their own (at a cost: see docs/PERFORMANCE.md).
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import stat
@@ -23,13 +22,13 @@ from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5a, h5d, h5l, h5o, h5p, h5s, h5t, h5z
+from h5py import h5d, h5l, h5o, h5p, h5s, h5t, h5z
 from numcodecs.fletcher32 import Fletcher32
 
 from ...chunking import Region, chunk_count, chunk_number, grid_shape, plan_chunks, region_shape
 from ...errors import CheckpointError, IntegrityError, UnsafeFileError
 from ...formats import ScalarFormat
-from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_chunk_shape
+from ...hardening import check_chunk_shape
 from ...integrity import crc32c_of
 from ...layout import Entry
 from ..base import (
@@ -41,6 +40,7 @@ from ..base import (
     StoreWriter,
     TensorWriter,
 )
+from .attrs import EncodedAttr, attrs_match, encode_attr, read_attrs, to_hdf5_attr, write_attrs
 from .blosc import (
     BLOSC_FILTER,
     BloscChunks,
@@ -50,7 +50,7 @@ from .blosc import (
     read_blosc_region,
     set_blosc,
 )
-from .checks import check_hdf5_present, from_hdf5_attr, read_hdf5_attrs
+from .checks import check_hdf5_present, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
 from .manifest import (
@@ -71,6 +71,7 @@ ATTR_PHASE_CHANGE = (32, 24)
 attributes of every lean_store dataset to dense storage (a fractal heap and B-tree each); kept
 compact in the object header they cost less to write and read (docs/FORMAT.md 2.5)."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
+MAX_PLANS = 256  # distinct (format, shape) dataset plans a writer keeps (see HDF5Writer._plan)
 OPEN_DATASETS = 1024  # datasets a reader keeps open between calls (least recently used
 # closed): ~7 KB each without a chunk cache; with fewer, a checkpoint of many tensors had each
 # dataset opened twice, once by the checks at open and again by its first read
@@ -89,131 +90,6 @@ ALLOWED_FILTERS = {
     h5z.FILTER_DEFLATE, h5z.FILTER_SHUFFLE, h5z.FILTER_FLETCHER32, h5z.FILTER_NBIT, 32000,
     BLOSC_FILTER,  # parameters checked (blosc.check_blosc_filter); read by lean_store
 }
-
-
-def to_hdf5_attr(value: Any) -> Any:
-    """Attributes: numbers as themselves, shapes as int64 arrays, strings (and JSON text for
-    anything else) as *fixed-length* UTF-8 strings.
-
-    Fixed-length strings keep every attribute inside its object header. Variable-length strings
-    live in HDF5's global heap, and libhdf5 can loop forever on a corrupted global heap; with no
-    global heap in the file, that hang cannot be reached through a lean_store file.
-    """
-    if isinstance(value, bool):
-        return np.int8(value)
-    if isinstance(value, (int, float)):
-        return value
-    if isinstance(value, tuple):
-        return np.asarray(value, dtype=np.int64).reshape(-1)
-    if isinstance(value, np.ndarray):
-        return value
-    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
-    data = text.encode("utf-8")
-    return np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data))))
-
-
-_ATTR_TYPES: dict[tuple[str, Any], tuple[Any, Any]] = {}
-_SCALAR = h5s.create(h5s.SCALAR)
-
-
-def write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> None:
-    """Write ``attrs`` (through :func:`to_hdf5_attr`) on the HDF5 object ``oid`` with h5py's
-    low-level API: the same file types and dataspaces as ``h5py``'s ``attrs[key] = value``,
-    without its per-attribute overhead. ``replace``: delete an attribute of the same name
-    first (objects created by the writer have none)."""
-    for key, value in attrs.items():
-        data = np.asarray(to_hdf5_attr(value))
-        dtype = data.dtype
-        cache_key = (dtype.str, h5py.check_string_dtype(dtype))
-        types = _ATTR_TYPES.get(cache_key)
-        if types is None:  # file type (logical) and memory type (bit for bit), as h5py makes
-            types = _ATTR_TYPES[cache_key] = (
-                h5t.py_create(dtype, logical=True), h5t.py_create(dtype)
-            )
-        name = key.encode("utf-8")
-        if replace and h5a.exists(oid, name):
-            h5a.delete(oid, name)
-        space = _SCALAR if data.shape == () else h5s.create_simple(data.shape)
-        attr = h5a.create(oid, name, types[0], space)
-        try:
-            attr.write(data, mtype=types[1])
-        finally:
-            attr.close()
-
-
-def read_attrs(oid: Any, where: str, names: list[str] | None = None) -> dict[str, Any]:
-    """The attributes of the HDF5 object ``oid`` (a low-level id) with the checks of
-    :func:`.checks.read_hdf5_attrs` (count, shape, type and size checked before a
-    value is read; variable-length strings refused), through h5py's low-level API: several
-    times cheaper. ``names``: read these (opened by name, cheaper than by index; a missing one
-    is an IntegrityError) and only these when the object holds exactly that many."""
-    try:
-        count = h5a.get_num_attrs(oid)
-    except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
-        raise IntegrityError(f"{where}: unreadable attribute list ({exc})") from None
-    if count > MAX_ATTRS:
-        raise UnsafeFileError(f"{where}: {count} attributes (limit {MAX_ATTRS})")
-    if names is not None and count != len(names):
-        raise IntegrityError(f"{where}: {count} attributes where {len(names)} were written")
-    out: dict[str, Any] = {}
-    for i in range(count):
-        name = f"#{i}" if names is None else names[i]
-        try:
-            if names is None:
-                aid = h5a.open(oid, index=i)
-                name = aid.name.decode("utf-8")
-            else:
-                aid = h5a.open(oid, name.encode("utf-8"))
-            shape, ftype = aid.shape, aid.get_type()
-            dtype, mtype = _attr_types(ftype)
-        except (OSError, RuntimeError, ValueError, TypeError, KeyError, UnicodeError) as exc:
-            raise IntegrityError(f"{where}: unreadable attribute {name!r} ({exc})") from None
-        if shape is None or len(shape) > 1:
-            raise IntegrityError(f"{where}: attribute {name!r} has an unsupported shape {shape}")
-        if dtype is None:
-            if ftype.get_class() == h5t.STRING:  # the only other string kind: variable length
-                raise UnsafeFileError(
-                    f"{where}: attribute {name!r} is a variable-length string; lean_store files "
-                    "hold fixed-length strings only"
-                )
-            raise IntegrityError(f"{where}: attribute {name!r} has an unsupported type")
-        n = math.prod(shape)
-        if n * max(1, dtype.itemsize) > MAX_ATTR_BYTES or (dtype.kind == "S" and n > 1):
-            raise UnsafeFileError(f"{where}: attribute {name!r} claims {n} values; too large")
-        try:
-            data = np.zeros(shape, dtype=dtype)
-            aid.read(data, mtype=mtype)
-            value = data if name == CHUNK_CRC_ATTR and data.ndim == 1 else from_hdf5_attr(
-                data[()] if data.ndim == 0 else data
-            )
-        except (OSError, RuntimeError, ValueError, TypeError, KeyError, UnicodeError) as exc:
-            raise IntegrityError(f"{where}: unreadable attribute {name!r} ({exc})") from None
-        out[name] = value
-    return out
-
-
-_MEMORY_TYPES: dict[str, Any] = {}
-
-
-def _attr_types(ftype: Any) -> tuple[np.dtype | None, Any]:
-    """(numpy dtype, HDF5 memory type) to read an attribute of file type ``ftype``: native
-    integers and floats, fixed-length strings as their bytes; (None, None) for anything else.
-    Built from the type's class and size (``AttrID.dtype`` costs ~10x more)."""
-    cls, size = ftype.get_class(), ftype.get_size()
-    if cls == h5t.STRING:
-        if ftype.is_variable_str():
-            return None, None
-        return np.dtype(f"S{size}"), ftype
-    if cls == h5t.INTEGER and size in (1, 2, 4, 8):
-        code = f"{'i' if ftype.get_sign() == h5t.SGN_2 else 'u'}{size}"
-    elif cls == h5t.FLOAT and size in (2, 4, 8):
-        code = f"f{size}"
-    else:
-        return None, None
-    mtype = _MEMORY_TYPES.get(code)
-    if mtype is None:
-        mtype = _MEMORY_TYPES[code] = h5t.py_create(np.dtype(code))
-    return np.dtype(code), mtype
 
 
 WEIGHTS_DEFLATE_LEVEL = 1
@@ -256,6 +132,7 @@ class HDF5TensorWriter(TensorWriter):
         self, dset: h5d.DatasetID, entry: Entry, ftype: Any, chunks: tuple[int, ...],
         direct: bool = False, fletcher32: bool = True, deflate: Any = None,
         record: dict[str, Any] | None = None, attrs: dict[str, Any] | None = None,
+        stored: tuple[int, ...] | None = None,
     ):
         self._dset = dset
         self._record = record  # this dataset's manifest record, completed by close()
@@ -266,7 +143,7 @@ class HDF5TensorWriter(TensorWriter):
         self.chunk_shape = chunks
         self.write_unit = chunks
         self._itemsize = ftype.get_size()
-        self._stored_shape = dset.shape
+        self._stored_shape = dset.shape if stored is None else stored
         # With no filter, or fletcher32 as the only one, whole chunks go in through
         # H5Dwrite_chunk: the bytes as they are (no pass through HDF5's chunk cache, which costs
         # a copy), or with the checksum computed by numcodecs (HDF5's own, byte by byte, is 2-3x
@@ -340,6 +217,7 @@ class HDF5Writer(StoreWriter):
         self._fletcher32 = checksum == "fletcher32+crc32c"
         self._pool: ThreadPoolExecutor | None = None  # shuffle + deflate workers, when used
         self._records: list[dict[str, Any]] = []  # the manifest, one record per dataset
+        self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _plan
         _ONE_SAVE_AT_A_TIME.acquire()  # released when the file is closed (finish or abort)
         self._holds_lock = True
         try:
@@ -352,8 +230,26 @@ class HDF5Writer(StoreWriter):
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         from ...naming import node_name
 
-        fmt = entry.format
         stored = entry.shape or (1,)
+        ftype, chunks, dcpl, space, direct, fletcher32 = self._plan(entry.format, stored)
+        node = node_name(entry.name)
+        dset = h5d.create(self._file.id, node.encode(), ftype, space, dcpl=dcpl)
+        # direct: no filter but (maybe) fletcher32, so no shuffle + deflate or Blosc either
+        deflate = None if direct else self._deflate_chunks(dcpl, dset, ftype.get_size())
+        record = {"node": node, "attrs": dict(attrs), "stored_shape": stored, "chunks": chunks}
+        self._records.append(record)
+        return HDF5TensorWriter(dset, entry, ftype, chunks, direct, fletcher32, deflate, record,
+                                attrs, stored)
+
+    def _plan(self, fmt: ScalarFormat, stored: tuple[int, ...]) -> tuple[Any, ...]:
+        """(file type, chunk shape, creation property list, dataspace, direct chunk writes,
+        fletcher32 alone) of a dataset of ``fmt`` and ``stored`` shape: built once per
+        distinct pair and reused (HDF5 copies what ``h5d.create`` is given), so that a state of
+        many like-shaped tensors pays for them once."""
+        key = (fmt, stored)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
         ftype = hdf5_type(fmt)
         chunks = plan_chunks(stored, ftype.get_size(), self.chunk_bytes)
         dcpl = h5p.create(h5p.DATASET_CREATE)
@@ -368,16 +264,13 @@ class HDF5Writer(StoreWriter):
                              math.prod(chunks) * ftype.get_size(), nbit)
         if self._fletcher32:
             dcpl.set_fletcher32()
-        space = h5s.create_simple(stored)
-        node = node_name(entry.name)
-        dset = h5d.create(self._file.id, node.encode(), ftype, space, dcpl=dcpl)
         nfilters = dcpl.get_nfilters()
         fletcher32 = nfilters == 1 and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
-        deflate = self._deflate_chunks(dcpl, dset, ftype.get_size())
-        record = {"node": node, "attrs": dict(attrs), "stored_shape": stored, "chunks": chunks}
-        self._records.append(record)
-        return HDF5TensorWriter(dset, entry, ftype, chunks, nfilters == 0 or fletcher32,
-                                fletcher32, deflate, record, attrs)
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
+        plan = self._plans[key] = (ftype, chunks, dcpl, h5s.create_simple(stored),
+                                   nfilters == 0 or fletcher32, fletcher32)
+        return plan
 
     def _deflate_chunks(self, dcpl: h5p.PropDCID, dset: h5d.DatasetID, itemsize: int
                         ) -> DeflateChunks | BloscChunks | None:
@@ -651,7 +544,10 @@ class HDF5Reader(StoreReader):
         if record is None:
             return
         dsid = self._dataset(node).id
-        names = [*record.attrs, CHUNK_CRC_ATTR]
+        if attrs_match(dsid, _written_attrs(record)):  # exactly as written: no decoding
+            self._attrs_checked.add(node)
+            return
+        names = [*record.attrs, CHUNK_CRC_ATTR]  # read and compared, to name the difference
         try:
             attrs = read_attrs(dsid, repr(node), names)
         except IntegrityError:  # not the attributes written: read whatever is there
@@ -878,6 +774,12 @@ class HDF5Reader(StoreReader):
     def close(self) -> None:
         self._fd = None  # HDF5's own descriptor: closed with the file
         self._file.close()
+
+
+def _written_attrs(record: TensorRecord) -> list[EncodedAttr]:
+    """The attributes the writer put on the dataset of ``record``, encoded as it wrote them."""
+    return [*(encode_attr(k, v) for k, v in record.attrs.items()),
+            encode_attr(CHUNK_CRC_ATTR, record.table)]
 
 
 def _precision(ftype: Any) -> int:

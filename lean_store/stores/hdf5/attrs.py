@@ -1,0 +1,222 @@
+"""Dataset attributes through h5py's low-level API: encoded once, written, read with checks,
+and compared with what the writer wrote.
+
+Every value is encoded the way h5py's ``attrs[key] = value`` stores it (see
+:func:`to_hdf5_attr`): the file type (logical), the memory type and the dataspace are built
+once per kind of value (an int, a string of n bytes, n int64 values, ...) and reused, so that
+a dataset's dozen attributes cost libhdf5's time and little of Python's.
+
+:func:`attrs_match` checks a dataset's attributes against the values its manifest record
+holds without decoding them: each stored attribute must have exactly the file type, shape and
+bytes that writing the recorded value produces. Anything else (a missing, extra, retyped,
+reshaped or changed attribute) is "no match", and the caller reads and compares the decoded
+values to name the difference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import h5py
+import numpy as np
+from h5py import h5a, h5s, h5t
+
+from ...errors import IntegrityError, UnsafeFileError
+from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS
+from .checks import from_hdf5_attr
+from .crc_table import CHUNK_CRC_ATTR
+
+_LIMITS = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
+
+
+def to_hdf5_attr(value: Any) -> Any:
+    """Attributes: numbers as themselves, shapes as int64 arrays, strings (and JSON text for
+    anything else) as *fixed-length* UTF-8 strings.
+
+    Fixed-length strings keep every attribute inside its object header. Variable-length strings
+    live in HDF5's global heap, and libhdf5 can loop forever on a corrupted global heap; with no
+    global heap in the file, that hang cannot be reached through a lean_store file.
+    """
+    if isinstance(value, bool):
+        return np.int8(value)
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, tuple):
+        return np.asarray(value, dtype=np.int64).reshape(-1)
+    if isinstance(value, np.ndarray):
+        return value
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    data = text.encode("utf-8")
+    return np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data))))
+
+
+@dataclass(frozen=True)
+class EncodedAttr:
+    """One attribute as written: its name, data (in the memory type), file type, memory type
+    and dataspace. ``data.tobytes()`` is what reading it back with ``mtype`` gives."""
+
+    name: bytes
+    data: np.ndarray
+    ftype: Any
+    mtype: Any
+    space: Any
+
+
+_TYPES: dict[Any, tuple[Any, Any]] = {}  # kind of value -> (file type, memory type)
+_SPACES: dict[tuple[int, ...], Any] = {}  # dataspace of each shape (HDF5 copies what it uses)
+
+
+def _types(key: Any, dtype: np.dtype) -> tuple[Any, Any]:
+    types = _TYPES.get(key)
+    if types is None:  # file type (logical) and memory type (bit for bit), as h5py makes them
+        types = _TYPES[key] = (h5t.py_create(dtype, logical=True), h5t.py_create(dtype))
+    return types
+
+
+def _space(shape: tuple[int, ...]) -> Any:
+    space = _SPACES.get(shape)
+    if space is None:
+        space = _SPACES[shape] = (h5s.create(h5s.SCALAR) if shape == ()
+                                  else h5s.create_simple(shape))
+    return space
+
+
+def encode_attr(key: str, value: Any) -> EncodedAttr:
+    """``value`` as :func:`to_hdf5_attr` and h5py's ``attrs[key] = value`` would store it,
+    with the common kinds (int, str, tuple of ints) built without h5py's dtype machinery."""
+    name = key.encode("utf-8")
+    kind = type(value)
+    if kind is int and _LIMITS[0] <= value <= _LIMITS[1]:
+        data = np.array(value, dtype=np.int64)
+        return EncodedAttr(name, data, *_types("<i8", data.dtype), _space(()))
+    if kind is str:
+        raw = value.encode("utf-8")
+        size = max(1, len(raw))
+        ftype, mtype = _TYPES.get(("str", size)) or _types(
+            ("str", size), h5py.string_dtype("utf-8", size))
+        return EncodedAttr(name, np.array(raw, dtype=f"S{size}"), ftype, mtype, _space(()))
+    data = np.asarray(to_hdf5_attr(value))
+    dtype = data.dtype
+    ftype, mtype = _types((dtype.str, h5py.check_string_dtype(dtype)), dtype)
+    return EncodedAttr(name, data, ftype, mtype, _space(data.shape))
+
+
+def write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> None:
+    """Write ``attrs`` (through :func:`encode_attr`) on the HDF5 object ``oid`` with h5py's
+    low-level API: the same file types and dataspaces as ``h5py``'s ``attrs[key] = value``,
+    without its per-attribute overhead. ``replace``: delete an attribute of the same name
+    first (objects created by the writer have none)."""
+    for key, value in attrs.items():
+        write_encoded(oid, encode_attr(key, value), replace=replace)
+
+
+def write_encoded(oid: Any, attr: EncodedAttr, *, replace: bool = False) -> None:
+    if replace and h5a.exists(oid, attr.name):
+        h5a.delete(oid, attr.name)
+    aid = h5a.create(oid, attr.name, attr.ftype, attr.space)
+    try:
+        aid.write(attr.data, mtype=attr.mtype)
+    finally:
+        aid.close()
+
+
+def attrs_match(oid: Any, expected: list[EncodedAttr]) -> bool:
+    """True when the HDF5 object ``oid`` holds exactly the attributes of ``expected`` and
+    each has the file type (``H5Tequal``), shape and bytes writing it produced; False
+    otherwise, or when anything cannot be read (the caller then reads and names the
+    difference). Nothing is decoded: each value is read into a buffer of the expected size."""
+    try:
+        if h5a.get_num_attrs(oid) != len(expected):
+            return False
+        for attr in expected:
+            aid = h5a.open(oid, attr.name)  # KeyError when missing
+            try:
+                if aid.shape != attr.data.shape or aid.get_type() != attr.ftype:
+                    return False
+                got = np.empty_like(attr.data)
+                aid.read(got, mtype=attr.mtype)
+            finally:
+                aid.close()
+            if got.tobytes() != attr.data.tobytes():
+                return False
+    except (OSError, RuntimeError, ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
+def read_attrs(oid: Any, where: str, names: list[str] | None = None) -> dict[str, Any]:
+    """The attributes of the HDF5 object ``oid`` (a low-level id) with the checks of
+    :func:`.checks.read_hdf5_attrs` (count, shape, type and size checked before a
+    value is read; variable-length strings refused), through h5py's low-level API: several
+    times cheaper. ``names``: read these (opened by name, cheaper than by index; a missing one
+    is an IntegrityError) and only these when the object holds exactly that many."""
+    try:
+        count = h5a.get_num_attrs(oid)
+    except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
+        raise IntegrityError(f"{where}: unreadable attribute list ({exc})") from None
+    if count > MAX_ATTRS:
+        raise UnsafeFileError(f"{where}: {count} attributes (limit {MAX_ATTRS})")
+    if names is not None and count != len(names):
+        raise IntegrityError(f"{where}: {count} attributes where {len(names)} were written")
+    out: dict[str, Any] = {}
+    for i in range(count):
+        name = f"#{i}" if names is None else names[i]
+        try:
+            if names is None:
+                aid = h5a.open(oid, index=i)
+                name = aid.name.decode("utf-8")
+            else:
+                aid = h5a.open(oid, name.encode("utf-8"))
+            shape, ftype = aid.shape, aid.get_type()
+            dtype, mtype = _attr_types(ftype)
+        except (OSError, RuntimeError, ValueError, TypeError, KeyError, UnicodeError) as exc:
+            raise IntegrityError(f"{where}: unreadable attribute {name!r} ({exc})") from None
+        if shape is None or len(shape) > 1:
+            raise IntegrityError(f"{where}: attribute {name!r} has an unsupported shape {shape}")
+        if dtype is None:
+            if ftype.get_class() == h5t.STRING:  # the only other string kind: variable length
+                raise UnsafeFileError(
+                    f"{where}: attribute {name!r} is a variable-length string; lean_store files "
+                    "hold fixed-length strings only"
+                )
+            raise IntegrityError(f"{where}: attribute {name!r} has an unsupported type")
+        n = math.prod(shape)
+        if n * max(1, dtype.itemsize) > MAX_ATTR_BYTES or (dtype.kind == "S" and n > 1):
+            raise UnsafeFileError(f"{where}: attribute {name!r} claims {n} values; too large")
+        try:
+            data = np.zeros(shape, dtype=dtype)
+            aid.read(data, mtype=mtype)
+            value = data if name == CHUNK_CRC_ATTR and data.ndim == 1 else from_hdf5_attr(
+                data[()] if data.ndim == 0 else data
+            )
+        except (OSError, RuntimeError, ValueError, TypeError, KeyError, UnicodeError) as exc:
+            raise IntegrityError(f"{where}: unreadable attribute {name!r} ({exc})") from None
+        out[name] = value
+    return out
+
+
+_MEMORY_TYPES: dict[str, Any] = {}
+
+
+def _attr_types(ftype: Any) -> tuple[np.dtype | None, Any]:
+    """(numpy dtype, HDF5 memory type) to read an attribute of file type ``ftype``: native
+    integers and floats, fixed-length strings as their bytes; (None, None) for anything else.
+    Built from the type's class and size (``AttrID.dtype`` costs ~10x more)."""
+    cls, size = ftype.get_class(), ftype.get_size()
+    if cls == h5t.STRING:
+        if ftype.is_variable_str():
+            return None, None
+        return np.dtype(f"S{size}"), ftype
+    if cls == h5t.INTEGER and size in (1, 2, 4, 8):
+        code = f"{'i' if ftype.get_sign() == h5t.SGN_2 else 'u'}{size}"
+    elif cls == h5t.FLOAT and size in (2, 4, 8):
+        code = f"f{size}"
+    else:
+        return None, None
+    mtype = _MEMORY_TYPES.get(code)
+    if mtype is None:
+        mtype = _MEMORY_TYPES[code] = h5t.py_create(np.dtype(code))
+    return np.dtype(code), mtype
