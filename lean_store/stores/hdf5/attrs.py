@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import h5py
 import numpy as np
@@ -28,6 +27,7 @@ from ...errors import IntegrityError, UnsafeFileError
 from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS
 from .checks import from_hdf5_attr
 from .crc_table import CHUNK_CRC_ATTR
+from .libhdf5 import library
 
 _LIMITS = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
 
@@ -53,13 +53,13 @@ def to_hdf5_attr(value: Any) -> Any:
     return np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data))))
 
 
-@dataclass(frozen=True)
-class EncodedAttr:
-    """One attribute as written: its name, data (in the memory type), file type, memory type
-    and dataspace. ``data.tobytes()`` is what reading it back with ``mtype`` gives."""
+class EncodedAttr(NamedTuple):
+    """One attribute as written: its name, data (in the memory type) and those bytes, file
+    type, memory type and dataspace. ``raw`` is what reading it back with ``mtype`` gives."""
 
     name: bytes
     data: np.ndarray
+    raw: bytes
     ftype: Any
     mtype: Any
     space: Any
@@ -67,6 +67,8 @@ class EncodedAttr:
 
 _TYPES: dict[Any, tuple[Any, Any]] = {}  # kind of value -> (file type, memory type)
 _SPACES: dict[tuple[int, ...], Any] = {}  # dataspace of each shape (HDF5 copies what it uses)
+_ENCODED: dict[tuple[str, type, Any], EncodedAttr] = {}  # see encode_attr
+MAX_ENCODED = 4096
 
 
 def _types(key: Any, dtype: np.dtype) -> tuple[Any, Any]:
@@ -85,40 +87,60 @@ def _space(shape: tuple[int, ...]) -> Any:
 
 
 def encode_attr(key: str, value: Any) -> EncodedAttr:
-    """``value`` as :func:`to_hdf5_attr` and h5py's ``attrs[key] = value`` would store it,
-    with the common kinds (int, str, tuple of ints) built without h5py's dtype machinery."""
-    name = key.encode("utf-8")
+    """``value`` as :func:`to_hdf5_attr` and h5py's ``attrs[key] = value`` would store it.
+    Ints, strings and tuples of ints are remembered (most repeat from dataset to dataset: a
+    format's parameters, a shape): the encoded attribute is immutable, never written to."""
     kind = type(value)
-    if kind is int and _LIMITS[0] <= value <= _LIMITS[1]:
-        data = np.array(value, dtype=np.int64)
-        return EncodedAttr(name, data, *_types("<i8", data.dtype), _space(()))
-    if kind is str:
+    if kind is int or kind is str or kind is tuple:
+        cache_key = (key, kind, value)
+        found = _ENCODED.get(cache_key)
+        if found is None:
+            if len(_ENCODED) >= MAX_ENCODED:
+                _ENCODED.clear()
+            found = _ENCODED[cache_key] = _encode(key, value)
+        return found
+    return _encode(key, value)
+
+
+def _encode(key: str, value: Any) -> EncodedAttr:
+    name = key.encode("utf-8")
+    if type(value) is str:  # without h5py's string dtype (built per call, with metadata)
         raw = value.encode("utf-8")
         size = max(1, len(raw))
         ftype, mtype = _TYPES.get(("str", size)) or _types(
             ("str", size), h5py.string_dtype("utf-8", size))
-        return EncodedAttr(name, np.array(raw, dtype=f"S{size}"), ftype, mtype, _space(()))
-    data = np.asarray(to_hdf5_attr(value))
-    dtype = data.dtype
-    ftype, mtype = _types((dtype.str, h5py.check_string_dtype(dtype)), dtype)
-    return EncodedAttr(name, data, ftype, mtype, _space(data.shape))
+        data = np.array(raw, dtype=f"S{size}")
+    else:
+        data = np.asarray(to_hdf5_attr(value))
+        dtype = data.dtype
+        ftype, mtype = _types((dtype.str, h5py.check_string_dtype(dtype)), dtype)
+    data.flags.writeable = False
+    return EncodedAttr(name, data, data.tobytes(), ftype, mtype, _space(data.shape))
 
 
 def write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> None:
-    """Write ``attrs`` (through :func:`encode_attr`) on the HDF5 object ``oid`` with h5py's
-    low-level API: the same file types and dataspaces as ``h5py``'s ``attrs[key] = value``,
-    without its per-attribute overhead. ``replace``: delete an attribute of the same name
-    first (objects created by the writer have none)."""
-    for key, value in attrs.items():
-        write_encoded(oid, encode_attr(key, value), replace=replace)
+    """Write ``attrs`` (through :func:`encode_attr`) on the HDF5 object ``oid``: the same file
+    types and dataspaces as ``h5py``'s ``attrs[key] = value``, without its per-attribute
+    overhead (straight into libhdf5 where :mod:`.libhdf5` can, else h5py's low-level API).
+    ``replace``: delete an attribute of the same name first (objects created by the writer
+    have none)."""
+    encoded = [encode_attr(key, value) for key, value in attrs.items()]
+    lib = library()
+    if replace or lib is None:
+        for attr in encoded:
+            write_encoded(oid, attr, replace=replace)
+        return
+    for attr in encoded[lib.write_attrs(oid.id, encoded):]:  # the rest, if one failed
+        write_encoded(oid, attr)
 
 
 def write_encoded(oid: Any, attr: EncodedAttr, *, replace: bool = False) -> None:
+    """One attribute through h5py's low-level API."""
     if replace and h5a.exists(oid, attr.name):
         h5a.delete(oid, attr.name)
     aid = h5a.create(oid, attr.name, attr.ftype, attr.space)
     try:
-        aid.write(attr.data, mtype=attr.mtype)
+        aid.write(np.array(attr.data), mtype=attr.mtype)
     finally:
         aid.close()
 
@@ -131,6 +153,9 @@ def attrs_match(oid: Any, expected: list[EncodedAttr]) -> bool:
     try:
         if h5a.get_num_attrs(oid) != len(expected):
             return False
+        lib = library()
+        if lib is not None:
+            return lib.attrs_equal(oid.id, expected)
         for attr in expected:
             aid = h5a.open(oid, attr.name)  # KeyError when missing
             try:
@@ -140,7 +165,7 @@ def attrs_match(oid: Any, expected: list[EncodedAttr]) -> bool:
                 aid.read(got, mtype=attr.mtype)
             finally:
                 aid.close()
-            if got.tobytes() != attr.data.tobytes():
+            if got.tobytes() != attr.raw:
                 return False
     except (OSError, RuntimeError, ValueError, TypeError, KeyError):
         return False

@@ -378,6 +378,10 @@ class HDF5Reader(StoreReader):
         # file's bytes (see docs/SECURITY.md)
         self._fd, self._file_size = _h5_descriptor(self._file)
         self._plain: dict[str, bool] = {}  # node -> chunked, no filter
+        # node -> (stored shape, chunk shape, item size) of a chunked dataset, known from
+        # stored(): the read path asks libhdf5 for none of them again
+        self._geometry: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
+        self._format_types: dict[ScalarFormat, Any] = {}  # see type_mismatch
 
     @property
     def _manifest(self) -> dict[str, TensorRecord] | None:
@@ -425,9 +429,12 @@ class HDF5Reader(StoreReader):
         name = node.encode("utf-8")
         links = self._file.id.links
         try:
-            if not links.exists(name):
-                raise IntegrityError(f"dataset {node!r} is missing")
-            kind = links.get_info(name).type
+            try:
+                kind = links.get_info(name).type
+            except KeyError:  # the common case needs one lookup, a missing link two
+                if not links.exists(name):
+                    raise IntegrityError(f"dataset {node!r} is missing") from None
+                raise
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise IntegrityError(f"dataset {node!r} is unreadable ({exc})") from None
         if kind != h5l.TYPE_HARD:
@@ -497,6 +504,8 @@ class HDF5Reader(StoreReader):
         self._check_present(node, dsid, shape, chunks, ftype, filters)
         self._types[node] = ftype
         self._tables[node] = record.table
+        self._geometry[node] = (shape, chunks, ftype.get_size())
+        self._plain[node] = not filters  # chunked (checked above), no filter, nothing external
         return StoredTensor(
             node=node, attrs=dict(record.attrs), stored_shape=shape, chunk_shape=chunks,
             storage="hdf5", itemsize=ftype.get_size(), nbytes_on_disk=dsid.get_storage_size(),
@@ -573,7 +582,10 @@ class HDF5Reader(StoreReader):
     def type_mismatch(self, node: str, fmt: ScalarFormat) -> str | None:
         """None when the dataset's HDF5 type is exactly the one lean_store writes for ``fmt``."""
         ftype = self._types.get(node) or self._dataset(node).id.get_type()
-        return None if ftype == hdf5_type(fmt) else f"HDF5 datatype does not encode {fmt.tag}"
+        expected = self._format_types.get(fmt)
+        if expected is None:
+            expected = self._format_types[fmt] = hdf5_type(fmt)
+        return None if ftype == expected else f"HDF5 datatype does not encode {fmt.tag}"
 
     def describe(self, node: str) -> StorageDescription:
         info = self.stored(node)
@@ -612,6 +624,8 @@ class HDF5Reader(StoreReader):
         return out
 
     def chunk_crcs(self, node: str) -> np.ndarray | None:
+        if node in self._tables:
+            return self._tables[node]
         return self._table(node, self._dataset(node))
 
     def _table(self, node: str, ds: h5py.Dataset) -> np.ndarray | None:
@@ -630,7 +644,7 @@ class HDF5Reader(StoreReader):
         """Read each touched chunk whole (HDF5 reads whole chunks anyway), check its CRC-32C,
         then cut the selection out of it. A selection that is one whole chunk goes straight
         into ``out``."""
-        shape, chunks = tuple(ds.shape), tuple(ds.chunks)
+        shape, chunks = self._shape_and_chunks(node, ds)
         grid = grid_shape(shape, chunks)
         pair = out.shape[len(shape):]
         for coords in _touched_chunks(selection, chunks):
@@ -665,7 +679,7 @@ class HDF5Reader(StoreReader):
         self.check_attributes(node)
         ds = self._dataset(node)
         ftype = self._types.get(node) or ds.id.get_type()
-        coords = tuple(a // c for a, c in zip(selection.start, ds.chunks or ds.shape))
+        coords = tuple(a // c for a, c in zip(selection.start, self._shape_and_chunks(node, ds)[1]))
         if out.size and not self._pread_chunk(node, ds, coords, out) and not self._read_chunk(
             node, ds, selection, out
         ):
@@ -686,6 +700,15 @@ class HDF5Reader(StoreReader):
             start = tuple(i * c for i, c in zip(coords, chunks))
             raise _crc_mismatch(node, coords, start, crc, expected)
 
+    def _shape_and_chunks(self, node: str, ds: h5py.Dataset
+                          ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(stored shape, chunk shape; the shape where not chunked) of ``node``."""
+        geometry = self._geometry.get(node)
+        if geometry is not None:
+            return geometry[0], geometry[1]
+        shape = tuple(ds.shape)
+        return shape, tuple(ds.chunks or shape)
+
     def _pread_chunk(self, node: str, ds: h5py.Dataset, coords: tuple[int, ...],
                      out: np.ndarray) -> bool:
         """Chunk ``coords`` of an unfiltered dataset read straight into ``out`` (the chunk
@@ -700,7 +723,8 @@ class HDF5Reader(StoreReader):
                 dcpl.get_layout() == h5d.CHUNKED and dcpl.get_nfilters() == 0
                 and dcpl.get_external_count() == 0
             )
-        chunks = ds.chunks
+        geometry = self._geometry.get(node)
+        chunks = ds.chunks if geometry is None else geometry[1]
         if not plain or chunks is None or not out.flags.c_contiguous or not _prefix_of_chunk(
             out.shape, chunks
         ):
@@ -710,7 +734,8 @@ class HDF5Reader(StoreReader):
         except (OSError, RuntimeError, ValueError, KeyError):
             return False
         offset, size = info.byte_offset, info.size
-        full = math.prod(chunks) * ds.id.get_type().get_size()
+        full = math.prod(chunks) * (ds.id.get_type().get_size() if geometry is None
+                                    else geometry[2])
         if offset is None or info.filter_mask != 0 or size != full or out.nbytes > size:
             return False
         if offset + size > self._file_size:

@@ -1,0 +1,171 @@
+"""Direct calls into the libhdf5 that h5py loaded, for the per-attribute hot paths only.
+
+A dataset carries a dozen attributes; through h5py's low-level API each costs several Python
+objects (an ``AttrID``, a ``TypeID``, a ``SpaceID``, each registered in h5py's id registry)
+and about three times libhdf5's own time. Here, writing one is ``H5Acreate2`` +
+``H5Awrite`` + ``H5Aclose``, and comparing one with what was written is ``H5Aopen`` +
+``H5Tequal`` on its type + its dataspace's rank and size + ``H5Aread`` of its bytes.
+
+This is the one module of lean_store that goes past h5py's public API. It is used only when:
+
+- the library is the very one h5py uses (found among the loaded libraries, its version equal
+  to the one h5py reports, and an id h5py just created readable through it), so ids pass
+  between the two freely;
+- h5py's global lock (``phil``) is found: libhdf5 as h5py ships it is not thread-safe, h5py
+  serialises every call with that lock, and every call here holds it too (``PyDLL``: the GIL
+  is also kept, as h5py keeps it).
+
+Otherwise :func:`library` is None and the callers use h5py's low-level API (the same file
+content, and the same checks). ``LEAN_STORE_HDF5_CTYPES=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+_MAPS = "/proc/self/maps"
+_LIBNAME = re.compile(r"/libhdf5(?:-[0-9a-f]+)?\.so[0-9.]*$")  # not libhdf5_hl
+_hid = ctypes.c_int64  # hid_t since HDF5 1.10
+_int = ctypes.c_int
+H5P_DEFAULT = 0
+
+
+class Library:
+    """The few libhdf5 functions used, bound to the library h5py loaded, and h5py's lock."""
+
+    def __init__(self, lib: ctypes.PyDLL, lock: Any) -> None:
+        self._lock = lock
+        sig = {
+            "H5Acreate2": (_hid, [_hid, ctypes.c_char_p, _hid, _hid, _hid, _hid]),
+            "H5Awrite": (_int, [_hid, _hid, ctypes.c_char_p]),
+            "H5Aopen": (_hid, [_hid, ctypes.c_char_p, _hid]),
+            "H5Aread": (_int, [_hid, _hid, ctypes.c_char_p]),
+            "H5Aget_type": (_hid, [_hid]),
+            "H5Aget_space": (_hid, [_hid]),
+            "H5Aclose": (_int, [_hid]),
+            "H5Adelete": (_int, [_hid, ctypes.c_char_p]),
+            "H5Tequal": (_int, [_hid, _hid]),
+            "H5Tclose": (_int, [_hid]),
+            "H5Sget_simple_extent_ndims": (_int, [_hid]),
+            "H5Sget_simple_extent_npoints": (ctypes.c_int64, [_hid]),
+            "H5Sclose": (_int, [_hid]),
+        }
+        for name, (restype, argtypes) in sig.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+            setattr(self, "_" + name, fn)
+
+    def write_attrs(self, oid: int, attrs: Sequence[Any]) -> int:
+        """Create and write each of ``attrs`` (objects with ``name``, ``raw``, and ``ftype``,
+        ``mtype`` and ``space`` h5py ids) on the object ``oid``, in order; the number written.
+        At the first failure the attribute is removed again and the count so far returned, for
+        the caller to write the rest through h5py (which raises h5py's error if it fails too)."""
+        create, write, close = self._H5Acreate2, self._H5Awrite, self._H5Aclose
+        done = 0
+        with self._lock:
+            for attr in attrs:
+                aid = create(oid, attr.name, attr.ftype.id, attr.space.id, H5P_DEFAULT,
+                             H5P_DEFAULT)
+                if aid < 0:
+                    break
+                ok = write(aid, attr.mtype.id, attr.raw) >= 0
+                close(aid)
+                if not ok:
+                    self._H5Adelete(oid, attr.name)
+                    break
+                done += 1
+        return done
+
+    def attrs_equal(self, oid: int, attrs: Sequence[Any]) -> bool:
+        """True when each of ``attrs`` is on the object ``oid`` with exactly its file type
+        (``H5Tequal``), rank, number of values and bytes (read with its memory type, the same
+        size as its file type once the types are equal). False at the first difference or
+        failure. The caller checks the number of attributes."""
+        with self._lock:
+            for attr in attrs:
+                aid = self._H5Aopen(oid, attr.name, H5P_DEFAULT)
+                if aid < 0:
+                    return False
+                try:
+                    if not self._same(aid, attr):
+                        return False
+                finally:
+                    self._H5Aclose(aid)
+        return True
+
+    def _same(self, aid: int, attr: Any) -> bool:
+        tid = self._H5Aget_type(aid)
+        if tid < 0:
+            return False
+        equal = self._H5Tequal(tid, attr.ftype.id)
+        self._H5Tclose(tid)
+        if equal <= 0:
+            return False
+        sid = self._H5Aget_space(aid)
+        if sid < 0:
+            return False
+        rank = self._H5Sget_simple_extent_ndims(sid)
+        count = self._H5Sget_simple_extent_npoints(sid)
+        self._H5Sclose(sid)
+        if rank != attr.data.ndim or count != attr.data.size:  # a null dataspace: rank 0, 0
+            return False
+        buf = ctypes.create_string_buffer(len(attr.raw))
+        if self._H5Aread(aid, attr.mtype.id, buf) < 0:
+            return False
+        return buf.raw == attr.raw
+
+
+def _loaded_path() -> str | None:
+    """The file of the libhdf5 loaded in this process (h5py's), from the process's maps."""
+    try:
+        with open(_MAPS) as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if "libhdf5" in line}
+    except (OSError, IndexError):
+        return None
+    found = [p for p in paths if _LIBNAME.search(p)]
+    return found[0] if len(found) == 1 else None
+
+
+def _load() -> Library | None:
+    if os.environ.get("LEAN_STORE_HDF5_CTYPES", "1") == "0":
+        return None
+    import importlib
+
+    import h5py
+    from h5py import h5s
+
+    lock = getattr(importlib.import_module("h5py._objects"), "phil", None)
+    path = _loaded_path()
+    if lock is None or not hasattr(lock, "__enter__") or path is None:
+        return None
+    try:
+        lib = ctypes.PyDLL(path)
+        version = [ctypes.c_uint() for _ in range(3)]
+        lib.H5get_libversion.argtypes = [ctypes.POINTER(ctypes.c_uint)] * 3
+        if lib.H5get_libversion(*version) < 0 or tuple(
+            v.value for v in version
+        ) != h5py.version.hdf5_version_tuple[:3]:
+            return None
+        probe = h5s.create_simple((3, 7, 11))  # an id only h5py's library instance knows
+        lib.H5Sget_simple_extent_npoints.restype = ctypes.c_int64
+        lib.H5Sget_simple_extent_npoints.argtypes = [_hid]
+        with lock:
+            if lib.H5Sget_simple_extent_npoints(probe.id) != 3 * 7 * 11:
+                return None
+        return Library(lib, lock)
+    except (OSError, AttributeError, TypeError, ValueError):
+        return None
+
+
+_LIBRARY: list[Library | None] = []
+
+
+def library() -> Library | None:
+    """The bound library, or None where it cannot be used safely (see the module text)."""
+    if not _LIBRARY:
+        _LIBRARY.append(_load())
+    return _LIBRARY[0]
