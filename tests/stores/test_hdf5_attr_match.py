@@ -180,3 +180,39 @@ def test_a_failed_direct_write_falls_back_to_h5py_and_its_error(tmp_path: Path) 
         with pytest.raises((RuntimeError, OSError, KeyError)):
             write_attrs(g.id, {"b": 2, "a": 1})
         assert dict(g.attrs) == {"a": 1, "b": 2}
+
+
+def test_threads_saving_loading_and_using_h5py_at_once(tmp_path: Path) -> None:
+    """The direct calls hold h5py's lock: loads (attribute comparisons), a save (attribute
+    writes) and plain h5py use in other threads at the same time all give the right data."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    states = [{f"t{i}.{k}": np.full(16, i * 100 + k, np.float32) for k in range(40)}
+              for i in range(3)]
+    for i, state in enumerate(states):
+        ls.save(state, tmp_path / f"{i}.h5")
+    with h5py.File(tmp_path / "plain.h5", "w") as f:
+        for k in range(40):
+            f.create_dataset(f"d{k}", data=np.arange(k + 1)).attrs["k"] = k
+
+    def load(i: int) -> bool:
+        for _ in range(5):
+            got = ls.load_state(tmp_path / f"{i % 3}.h5")
+            if any(got[n].tobytes() != v.tobytes() for n, v in states[i % 3].items()):
+                return False
+        return True
+
+    def save(_: int) -> bool:
+        for j in range(5):
+            ls.save(states[j % 3], tmp_path / f"new{j}.h5")
+        return all(ls.verify(tmp_path / f"new{j}.h5").ok for j in range(5))
+
+    def plain(_: int) -> bool:
+        with h5py.File(tmp_path / "plain.h5", "r") as f:
+            return all(int(f[f"d{k}"].attrs["k"]) == k and f[f"d{k}"][-1] == k
+                       for _ in range(5) for k in range(40))
+
+    with ThreadPoolExecutor(6) as pool:
+        jobs = [pool.submit(load, i) for i in range(3)] + [pool.submit(save, 0)] + [
+            pool.submit(plain, i) for i in range(2)]
+        assert all(job.result() for job in jobs)

@@ -366,7 +366,7 @@ class HDF5Reader(StoreReader):
             self._file.close()
             raise
         self._manifest_records: dict[str, TensorRecord] | None = None
-        self._datasets: dict[str, h5py.Dataset] = {}
+        self._datasets: dict[str, h5d.DatasetID] = {}
         self._filesize: int | None = None
         self._attrs_checked: set[str] = set()  # datasets whose attributes match the manifest
         self._types: dict[str, Any] = {}
@@ -415,15 +415,20 @@ class HDF5Reader(StoreReader):
         return sorted(names)
 
     def _dataset(self, node: str) -> h5py.Dataset:
-        ds = self._datasets.pop(node, None)
-        if ds is None:
-            ds = self._open_dataset(node)
+        """``node`` as an h5py dataset (for the paths that need h5py's high-level API)."""
+        return h5py.Dataset(self._dsid(node))
+
+    def _dsid(self, node: str) -> h5d.DatasetID:
+        """``node``'s low-level dataset id, kept open between calls (OPEN_DATASETS)."""
+        dsid = self._datasets.pop(node, None)
+        if dsid is None:
+            dsid = self._open_dataset(node)
             if len(self._datasets) >= OPEN_DATASETS:
                 del self._datasets[next(iter(self._datasets))]
-        self._datasets[node] = ds  # most recently used last
-        return ds
+        self._datasets[node] = dsid  # most recently used last
+        return dsid
 
-    def _open_dataset(self, node: str) -> h5py.Dataset:
+    def _open_dataset(self, node: str) -> h5d.DatasetID:
         """The dataset linked as ``node`` by a hard link (checked before it is opened),
         through the low-level API (h5py's ``group.get`` costs several times more)."""
         name = node.encode("utf-8")
@@ -447,7 +452,7 @@ class HDF5Reader(StoreReader):
             raise IntegrityError(f"dataset {node!r} is unreadable ({exc})") from None
         if not isinstance(oid, h5d.DatasetID):
             raise IntegrityError(f"{node!r} is not a dataset")
-        return h5py.Dataset(oid)
+        return oid
 
     def stored(self, node: str) -> StoredTensor:
         try:
@@ -491,8 +496,7 @@ class HDF5Reader(StoreReader):
         low-level API; attributes and the chunk_crc32c table from the record. None when the
         dataset's shape or chunking is not the record's (re-chunked by a tool): the dataset's
         own attributes are read and checked then, as in a file without a manifest."""
-        ds = self._dataset(node)
-        dsid = ds.id
+        dsid = self._dsid(node)
         dcpl = dsid.get_create_plist()
         layout = dcpl.get_layout()
         filters = _checked_filters(node, dcpl, layout)
@@ -552,7 +556,7 @@ class HDF5Reader(StoreReader):
         record = self._manifest.get(node)
         if record is None:
             return
-        dsid = self._dataset(node).id
+        dsid = self._dsid(node)
         if attrs_match(dsid, _written_attrs(record)):  # exactly as written: no decoding
             self._attrs_checked.add(node)
             return
@@ -581,7 +585,7 @@ class HDF5Reader(StoreReader):
 
     def type_mismatch(self, node: str, fmt: ScalarFormat) -> str | None:
         """None when the dataset's HDF5 type is exactly the one lean_store writes for ``fmt``."""
-        ftype = self._types.get(node) or self._dataset(node).id.get_type()
+        ftype = self._types.get(node) or self._dsid(node).get_type()
         expected = self._format_types.get(fmt)
         if expected is None:
             expected = self._format_types[fmt] = hdf5_type(fmt)
@@ -605,8 +609,8 @@ class HDF5Reader(StoreReader):
         selection's shape and the format's storage dtype). With a ``chunk_crc32c`` table, every
         chunk the selection touches is read whole and checked against it first."""
         self.check_attributes(node)
-        ds = self._dataset(node)
-        ftype = self._types.get(node) or ds.id.get_type()
+        ds = self._dsid(node)
+        ftype = self._types.get(node) or ds.get_type()
         shape = selection.count + ((2,) if fmt.words_per_value == 2 else ())
         into = out
         if out is None or not out.flags.c_contiguous:
@@ -626,19 +630,20 @@ class HDF5Reader(StoreReader):
     def chunk_crcs(self, node: str) -> np.ndarray | None:
         if node in self._tables:
             return self._tables[node]
-        return self._table(node, self._dataset(node))
+        return self._table(node, self._dsid(node))
 
-    def _table(self, node: str, ds: h5py.Dataset) -> np.ndarray | None:
+    def _table(self, node: str, dsid: h5d.DatasetID) -> np.ndarray | None:
+        """The chunk_crc32c table: the manifest's, or (files without one) the dataset's."""
         if node not in self._tables:
-            attrs = read_hdf5_attrs(ds, repr(node))
+            attrs = read_hdf5_attrs(h5py.Dataset(dsid), repr(node))
             value = attrs.get(CHUNK_CRC_ATTR)
             self._tables[node] = None if value is None else parse_table(
-                value, chunk_count(tuple(ds.shape), tuple(ds.chunks or ds.shape)), repr(node)
+                value, chunk_count(*self._shape_and_chunks(node, dsid)), repr(node)
             )
         return self._tables[node]
 
     def _read_checked(
-        self, node: str, ds: h5py.Dataset, ftype: Any, selection: Selection, out: np.ndarray,
+        self, node: str, ds: h5d.DatasetID, ftype: Any, selection: Selection, out: np.ndarray,
         table: np.ndarray,
     ) -> None:
         """Read each touched chunk whole (HDF5 reads whole chunks anyway), check its CRC-32C,
@@ -677,8 +682,8 @@ class HDF5Reader(StoreReader):
         checked against the table: the caller runs :meth:`check_chunk` before using it (so
         that the check can overlap the read of the next chunk)."""
         self.check_attributes(node)
-        ds = self._dataset(node)
-        ftype = self._types.get(node) or ds.id.get_type()
+        ds = self._dsid(node)
+        ftype = self._types.get(node) or ds.get_type()
         coords = tuple(a // c for a, c in zip(selection.start, self._shape_and_chunks(node, ds)[1]))
         if out.size and not self._pread_chunk(node, ds, coords, out) and not self._read_chunk(
             node, ds, selection, out
@@ -689,27 +694,27 @@ class HDF5Reader(StoreReader):
     def check_chunk(self, node: str, number: int, words: np.ndarray) -> None:
         """IntegrityError unless ``words`` (chunk ``number`` in C order, whole) match the
         ``chunk_crc32c`` table."""
-        ds = self._dataset(node)
+        ds = self._dsid(node)
         table = self._table(node, ds)
         if table is None:
             return
         crc, expected = crc32c_of(words), int(table[number])
         if crc != expected:
-            chunks = tuple(ds.chunks or ds.shape)
-            coords = tuple(int(c) for c in np.unravel_index(number, grid_shape(ds.shape, chunks)))
+            shape, chunks = self._shape_and_chunks(node, ds)
+            coords = tuple(int(c) for c in np.unravel_index(number, grid_shape(shape, chunks)))
             start = tuple(i * c for i, c in zip(coords, chunks))
             raise _crc_mismatch(node, coords, start, crc, expected)
 
-    def _shape_and_chunks(self, node: str, ds: h5py.Dataset
+    def _shape_and_chunks(self, node: str, dsid: h5d.DatasetID
                           ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(stored shape, chunk shape; the shape where not chunked) of ``node``."""
         geometry = self._geometry.get(node)
         if geometry is not None:
             return geometry[0], geometry[1]
-        shape = tuple(ds.shape)
-        return shape, tuple(ds.chunks or shape)
+        shape = tuple(dsid.shape)
+        return shape, _chunks_of(dsid) or shape
 
-    def _pread_chunk(self, node: str, ds: h5py.Dataset, coords: tuple[int, ...],
+    def _pread_chunk(self, node: str, ds: h5d.DatasetID, coords: tuple[int, ...],
                      out: np.ndarray) -> bool:
         """Chunk ``coords`` of an unfiltered dataset read straight into ``out`` (the chunk
         clipped to the dataset, a prefix of its bytes) from the chunk's file offset. Every
@@ -718,23 +723,23 @@ class HDF5Reader(StoreReader):
             return False
         plain = self._plain.get(node)
         if plain is None:
-            dcpl = ds.id.get_create_plist()
+            dcpl = ds.get_create_plist()
             plain = self._plain[node] = (
                 dcpl.get_layout() == h5d.CHUNKED and dcpl.get_nfilters() == 0
                 and dcpl.get_external_count() == 0
             )
         geometry = self._geometry.get(node)
-        chunks = ds.chunks if geometry is None else geometry[1]
+        chunks = _chunks_of(ds) if geometry is None else geometry[1]
         if not plain or chunks is None or not out.flags.c_contiguous or not _prefix_of_chunk(
             out.shape, chunks
         ):
             return False
         try:
-            info = ds.id.get_chunk_info_by_coord(tuple(i * c for i, c in zip(coords, chunks)))
+            info = ds.get_chunk_info_by_coord(tuple(i * c for i, c in zip(coords, chunks)))
         except (OSError, RuntimeError, ValueError, KeyError):
             return False
         offset, size = info.byte_offset, info.size
-        full = math.prod(chunks) * (ds.id.get_type().get_size() if geometry is None
+        full = math.prod(chunks) * (ds.get_type().get_size() if geometry is None
                                     else geometry[2])
         if offset is None or info.filter_mask != 0 or size != full or out.nbytes > size:
             return False
@@ -748,19 +753,21 @@ class HDF5Reader(StoreReader):
             raise IntegrityError(f"tensor {node!r}: chunk {coords} is truncated")
         return True
 
-    def _read_chunk(self, node: str, ds: h5py.Dataset, selection: Selection, out: Any) -> bool:
+    def _read_chunk(self, node: str, ds: h5d.DatasetID, selection: Selection, out: Any
+                    ) -> bool:
         """Fast path for a whole row-block chunk stored with fletcher32 alone: H5Dread_chunk,
         checksum verified by numcodecs (2-3x faster than HDF5's). False: use H5Dread."""
         direct = self._direct_chunks
         info = direct.get(node)
         if info is None:
-            dcpl = ds.id.get_create_plist()
-            blosc = blosc_fletcher32(dcpl) if ds.chunks is not None else None
-            ok = ds.chunks is not None and (blosc is not None or (
+            dcpl = ds.get_create_plist()
+            chunks = _chunks_of(ds)
+            blosc = blosc_fletcher32(dcpl) if chunks is not None else None
+            ok = chunks is not None and (blosc is not None or (
                 dcpl.get_nfilters() == 1 and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
             ))
-            info = direct[node] = (tuple(ds.chunks), tuple(ds.shape), blosc,
-                                   ds.id.get_type().get_size()) if ok else ()
+            info = direct[node] = (chunks, tuple(ds.shape), blosc,
+                                   ds.get_type().get_size()) if ok else ()
         if not info:
             return False
         chunks, shape, blosc, itemsize = info
@@ -770,7 +777,7 @@ class HDF5Reader(StoreReader):
                 a % c or a + n > min(a + c, d) for a, n, c, d in zip(start, count, chunks, shape)
             ):
                 return False
-            return read_blosc_region(node, ds.id, start, count, chunks, itemsize, blosc, out,
+            return read_blosc_region(node, ds, start, count, chunks, itemsize, blosc, out,
                                      self._fd, self._file_size)
         split = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), len(shape))
         row_block = all(c == 1 for c in chunks[:split]) and chunks[split + 1 :] == shape[
@@ -783,7 +790,7 @@ class HDF5Reader(StoreReader):
         if not whole or any(step != 1 for step in selection.step):
             return False
         try:
-            mask, raw = ds.id.read_direct_chunk(start)
+            mask, raw = ds.read_direct_chunk(start)
         except (OSError, RuntimeError, ValueError, KeyError):
             return False  # e.g. a chunk never written: H5Dread knows the fill value
         if mask != 0:
@@ -835,7 +842,7 @@ def _h5_descriptor(file: h5py.File) -> tuple[int | None, int]:
     return fd, info.st_size
 
 
-def _h5read(node: str, ds: h5py.Dataset, ftype: Any, selection: Selection, out: np.ndarray
+def _h5read(node: str, ds: h5d.DatasetID, ftype: Any, selection: Selection, out: np.ndarray
             ) -> None:
     """H5Dread of ``selection`` into the C-contiguous ``out``, the memory type equal to the
     file type (no conversion; HDF5 reads unfiltered chunks straight into ``out``). Never for
@@ -846,17 +853,23 @@ def _h5read(node: str, ds: h5py.Dataset, ftype: Any, selection: Selection, out: 
             f"tensor {node!r}: a Blosc dataset is read by whole chunks with its chunk_crc32c "
             "table; this read would need HDF5's filter plugin, which lean_store never loads")
     count = selection.count
-    fspace = ds.id.get_space()
+    fspace = ds.get_space()
     fspace.select_hyperslab(selection.start, count, selection.step)
     buf = out.view(np.uint8).reshape(-1).view(f"V{ftype.get_size()}").reshape(count)
     try:
-        ds.id.read(h5s.create_simple(count), fspace, buf, mtype=ftype)
+        ds.read(h5s.create_simple(count), fspace, buf, mtype=ftype)
     except (OSError, RuntimeError, ValueError) as exc:
         raise IntegrityError(f"tensor {node!r}: HDF5 read failed ({exc})") from None
 
 
-def _filter_ids(ds: h5py.Dataset) -> list[int]:
-    dcpl = ds.id.get_create_plist()
+def _chunks_of(dsid: h5d.DatasetID) -> tuple[int, ...] | None:
+    """The chunk shape of a chunked dataset, else None (what ``h5py.Dataset.chunks`` says)."""
+    dcpl = dsid.get_create_plist()
+    return tuple(dcpl.get_chunk()) if dcpl.get_layout() == h5d.CHUNKED else None
+
+
+def _filter_ids(ds: h5d.DatasetID) -> list[int]:
+    dcpl = ds.get_create_plist()
     return [dcpl.get_filter(i)[0] for i in range(dcpl.get_nfilters())]
 
 
