@@ -39,11 +39,13 @@ class Library:
 
     def __init__(self, lib: ctypes.PyDLL, lock: Any) -> None:
         self._lock = lock
+        self._scratch = bytearray(256)  # where attributes are read to; used under the lock
+        self._scratch_at = _address(self._scratch)
         sig = {
             "H5Acreate2": (_hid, [_hid, ctypes.c_char_p, _hid, _hid, _hid, _hid]),
             "H5Awrite": (_int, [_hid, _hid, ctypes.c_char_p]),
             "H5Aopen": (_hid, [_hid, ctypes.c_char_p, _hid]),
-            "H5Aread": (_int, [_hid, _hid, ctypes.c_char_p]),
+            "H5Aread": (_int, [_hid, _hid, ctypes.c_void_p]),
             "H5Aget_type": (_hid, [_hid]),
             "H5Aget_space": (_hid, [_hid]),
             "H5Aclose": (_int, [_hid]),
@@ -113,10 +115,17 @@ class Library:
         self._H5Sclose(sid)
         if rank != attr.data.ndim or count != attr.data.size:  # a null dataspace: rank 0, 0
             return False
-        buf = ctypes.create_string_buffer(len(attr.raw))
-        if self._H5Aread(aid, attr.mtype.id, buf) < 0:
+        n = len(attr.raw)
+        if n > len(self._scratch):
+            self._scratch = bytearray(n)
+            self._scratch_at = _address(self._scratch)
+        if self._H5Aread(aid, attr.mtype.id, self._scratch_at) < 0:
             return False
-        return buf.raw == attr.raw
+        return memoryview(self._scratch)[:n] == attr.raw
+
+
+def _address(buffer: bytearray) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
 
 
 def _loaded_path() -> str | None:
