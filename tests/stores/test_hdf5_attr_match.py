@@ -216,3 +216,42 @@ def test_threads_saving_loading_and_using_h5py_at_once(tmp_path: Path) -> None:
         jobs = [pool.submit(load, i) for i in range(3)] + [pool.submit(save, 0)] + [
             pool.submit(plain, i) for i in range(2)]
         assert all(job.result() for job in jobs)
+
+
+def test_files_from_either_path_read_through_the_other(tmp_path: Path) -> None:
+    """A save and a load in a process without the direct calls (LEAN_STORE_HDF5_CTYPES=0)
+    and in one with them give the same attributes: each reads the other's file."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    script = (
+        "import sys, numpy as np, lean_store as ls\n"
+        "from lean_store.stores.hdf5.libhdf5 import library\n"
+        "mode, src, dst = sys.argv[1:]\n"
+        "assert (library() is None) == (mode == 'off'), mode\n"
+        "state = {f'l{i}.w': np.arange(i, i + 5, dtype=np.float32) for i in range(20)}\n"
+        "state['b'] = np.array(True)\n"
+        "got = ls.load_state(src)\n"
+        "assert all(got[k].tobytes() == v.tobytes() for k, v in state.items())\n"
+        "assert ls.verify(src).ok\n"
+        "ls.save(state, dst)\n"
+    )
+    state = {f"l{i}.w": np.arange(i, i + 5, dtype=np.float32) for i in range(20)}
+    state["b"] = np.array(True)
+    ls.save(state, tmp_path / "here.h5")
+    paths = [str(root), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    for mode, src, dst in [("off", "here.h5", "off.h5"), ("on", "off.h5", "on.h5"),
+                           ("off", "on.h5", "off2.h5")]:
+        run_env = dict(env, LEAN_STORE_HDF5_CTYPES="0" if mode == "off" else "1")
+        subprocess.run([sys.executable, "-c", script, mode, str(tmp_path / src),
+                        str(tmp_path / dst)], env=run_env, check=True, timeout=120)
+    with h5py.File(tmp_path / "off.h5", "r") as a, h5py.File(tmp_path / "on.h5", "r") as b:
+        for node in a:
+            ka, kb = a[node].attrs, b[node].attrs
+            assert list(ka) == list(kb)
+            for key in ka:
+                assert ka.get_id(key).get_type() == kb.get_id(key).get_type(), (node, key)
+                assert np.array_equal(ka[key], kb[key]), (node, key)
