@@ -343,7 +343,8 @@ def _checked_filters(node: str, dcpl: Any, layout: int) -> list[str]:
         if code not in ALLOWED_FILTERS:
             raise UnsafeFileError(f"{node!r} uses an unknown HDF5 filter (id {code})")
         filters.append(_FILTER_NAMES.get(code, str(code)))
-    check_blosc_filter(node, dcpl, layout)
+    if "blosc" in filters:
+        check_blosc_filter(node, dcpl, layout)
     return filters
 
 
@@ -505,23 +506,26 @@ class HDF5Reader(StoreReader):
         if shape != record.stored_shape or chunks != record.chunks:
             return None
         ftype = dsid.get_type()
-        self._check_present(node, dsid, shape, chunks, ftype, filters)
+        itemsize = ftype.get_size()
+        stored = self._check_present(node, dsid, shape, chunks, ftype, filters)
         self._types[node] = ftype
         self._tables[node] = record.table
-        self._geometry[node] = (shape, chunks, ftype.get_size())
+        self._geometry[node] = (shape, chunks, itemsize)
         self._plain[node] = not filters  # chunked (checked above), no filter, nothing external
         return StoredTensor(
             node=node, attrs=dict(record.attrs), stored_shape=shape, chunk_shape=chunks,
-            storage="hdf5", itemsize=ftype.get_size(), nbytes_on_disk=dsid.get_storage_size(),
+            storage="hdf5", itemsize=itemsize,
+            nbytes_on_disk=dsid.get_storage_size() if stored is None else stored,
             filters=[*filters, "crc32c"],
         )
 
     def _check_present(self, node: str, dsid: Any, shape: tuple[int, ...],
-                       chunks: tuple[int, ...], ftype: Any, filters: list[str]) -> None:
+                       chunks: tuple[int, ...], ftype: Any, filters: list[str]) -> int | None:
         """:func:`lean_store.stores.hdf5.checks.check_hdf5_present` on low-level ids: every chunk
-        allocated, inside the file, and (uncompressed) as large as its values need."""
+        allocated, inside the file, and (uncompressed) as large as its values need. The bytes
+        its chunks take in the file (None for a dataset without values: nothing checked)."""
         if math.prod(shape) == 0:
-            return
+            return None
         check_chunk_shape(node, chunks, shape, ftype.get_size())
         expected = chunk_count(shape, chunks)
         try:
@@ -547,6 +551,7 @@ class HDF5Reader(StoreReader):
                     f"{node!r}: {stored} bytes stored but {least} are needed; the file is "
                     "truncated"
                 )
+        return stored
 
     def check_attributes(self, node: str) -> None:
         """IntegrityError unless the attributes on dataset ``node`` are those its manifest
