@@ -255,3 +255,14 @@ def test_files_from_either_path_read_through_the_other(tmp_path: Path) -> None:
             for key in ka:
                 assert ka.get_id(key).get_type() == kb.get_id(key).get_type(), (node, key)
                 assert np.array_equal(ka[key], kb[key]), (node, key)
+
+
+def test_only_short_values_are_remembered() -> None:
+    """Remembered encodings stay small: a long JSON string (a sharded record) is encoded each
+    time, and the memory is bounded by a count."""
+    long_text = "x" * (attrs_module.MAX_REMEMBERED_LEN + 1)
+    assert encode_attr("doc", long_text) is not encode_attr("doc", long_text)
+    assert encode_attr("format", "float32") is encode_attr("format", "float32")
+    for i in range(attrs_module.MAX_ENCODED + 10):
+        encode_attr("index", i)
+    assert len(attrs_module._ENCODED) <= attrs_module.MAX_ENCODED

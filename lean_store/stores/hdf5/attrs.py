@@ -68,7 +68,8 @@ class EncodedAttr(NamedTuple):
 _TYPES: dict[Any, tuple[Any, Any]] = {}  # kind of value -> (file type, memory type)
 _SPACES: dict[tuple[int, ...], Any] = {}  # dataspace of each shape (HDF5 copies what it uses)
 _ENCODED: dict[tuple[str, type, Any], EncodedAttr] = {}  # see encode_attr
-MAX_ENCODED = 4096
+MAX_ENCODED = 4096  # remembered attributes (then forgotten all at once)
+MAX_REMEMBERED_LEN = 256  # longer strings and tuples (JSON documents) are encoded every time
 
 
 def _types(key: Any, dtype: np.dtype) -> tuple[Any, Any]:
@@ -88,10 +89,10 @@ def _space(shape: tuple[int, ...]) -> Any:
 
 def encode_attr(key: str, value: Any) -> EncodedAttr:
     """``value`` as :func:`to_hdf5_attr` and h5py's ``attrs[key] = value`` would store it.
-    Ints, strings and tuples of ints are remembered (most repeat from dataset to dataset: a
-    format's parameters, a shape): the encoded attribute is immutable, never written to."""
+    Ints, short strings and short tuples are remembered (most repeat from dataset to dataset:
+    a format's parameters, a shape): the encoded attribute is immutable, never written to."""
     kind = type(value)
-    if kind is int or kind is str or kind is tuple:
+    if kind is int or (kind is str or kind is tuple) and len(value) <= MAX_REMEMBERED_LEN:
         cache_key = (key, kind, value)
         found = _ENCODED.get(cache_key)
         if found is None:
