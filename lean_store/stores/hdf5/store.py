@@ -368,6 +368,8 @@ class HDF5Reader(StoreReader):
             raise
         self._manifest_records: dict[str, TensorRecord] | None = None
         self._datasets: dict[str, h5d.DatasetID] = {}
+        self._listed: list[str] | None = None  # see nodes()
+        self._hard_links: frozenset[str] = frozenset()  # every link nodes() listed: hard ones
         self._filesize: int | None = None
         self._attrs_checked: set[str] = set()  # datasets whose attributes match the manifest
         self._types: dict[str, Any] = {}
@@ -393,10 +395,16 @@ class HDF5Reader(StoreReader):
         return self._manifest_records
 
     def nodes(self) -> list[str]:
-        try:
-            return self._nodes()
-        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
-            raise IntegrityError(f"unreadable HDF5 group listing ({exc})") from None
+        """The root group's links, sorted; UnsafeFileError for any that is not a hard link.
+        Listed once (the file is open read-only): later calls, and the opening of a dataset
+        listed here, need no lookup of their own."""
+        if self._listed is None:
+            try:
+                self._listed = self._nodes()
+            except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+                raise IntegrityError(f"unreadable HDF5 group listing ({exc})") from None
+            self._hard_links = frozenset(self._listed)
+        return list(self._listed)
 
     def _nodes(self) -> list[str]:
         links: list[tuple[bytes, int]] = []  # one pass over the root group's links
@@ -435,8 +443,8 @@ class HDF5Reader(StoreReader):
         name = node.encode("utf-8")
         links = self._file.id.links
         try:
-            try:
-                kind = links.get_info(name).type
+            try:  # a node nodes() listed is a hard link: no lookup needed
+                kind = h5l.TYPE_HARD if node in self._hard_links else links.get_info(name).type
             except KeyError:  # the common case needs one lookup, a missing link two
                 if not links.exists(name):
                     raise IntegrityError(f"dataset {node!r} is missing") from None
