@@ -23,6 +23,7 @@ from ...hardening import (
     file_kind,
 )
 from . import shard_index
+from .plain import PlainArray
 
 
 @dataclass
@@ -104,24 +105,44 @@ def read_json_at(dir_fd: int, key: str) -> Any:
     """The JSON document at ``key`` below the directory ``dir_fd`` (no link followed), with
     the bounds of :func:`scan_local_zarr` (size, nesting) checked on the raw bytes before it is
     parsed. Missing, unreadable or malformed: :class:`IntegrityError`."""
-
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(key, flags, dir_fd=dir_fd)
-    except OSError as exc:
-        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(MAX_METADATA_BYTES + 1)
-    except OSError as exc:
-        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
-    if len(raw) > MAX_METADATA_BYTES:
-        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
+    raw = _read_small_at(dir_fd, key)
     check_json_depth(raw, key)
     try:
         return json.loads(raw)
     except ValueError as exc:
         raise IntegrityError(f"{key}: not valid JSON ({exc})") from None
+
+
+_O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _read_small_at(dir_fd: int, key: str) -> bytes:
+    """The bytes of the metadata file ``key`` below ``dir_fd`` (at most
+    ``MAX_METADATA_BYTES``): one open, one fstat, one read sized by the file."""
+    try:
+        fd = os.open(key, _O_READ, dir_fd=dir_fd)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_METADATA_BYTES:
+            raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
+        parts = []
+        want = min(size, MAX_METADATA_BYTES) + 1  # a file grown since: read to its end
+        while want > 0:
+            part = os.read(fd, want)
+            if not part:
+                break
+            parts.append(part)
+            want -= len(part)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    raw = parts[0] if len(parts) == 1 else b"".join(parts)
+    if len(raw) > MAX_METADATA_BYTES:
+        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
+    return raw
 
 
 def check_zarr_key(key: str) -> None:
@@ -145,6 +166,13 @@ def codec_names(metadata: Any) -> tuple[list[str], list[str]]:
             if unknown:
                 raise UnsafeFileError(f"unsupported codecs inside a shard: {unknown}")
     return outer, inner
+
+
+def array_codec_names(array: Any) -> tuple[list[str], list[str]]:
+    """:func:`codec_names` of a zarr array or a :class:`.plain.PlainArray`."""
+    if isinstance(array, PlainArray):
+        return array.codec_names()
+    return codec_names(array.metadata)
 
 
 def check_zarr_array(node: str, array: Any) -> None:
@@ -172,10 +200,7 @@ def zarr_chunk_keys(node: str, array: Any, present: int) -> list[tuple[str, tupl
     grid = grid_shape(array.shape, outer)
     expected = math.prod(grid)
     if expected > present:
-        raise IntegrityError(
-            f"{node!r}: {present} of {expected} chunk files are present; the checkpoint is "
-            "truncated or was never completely written"
-        )
+        raise _truncated(node, present, expected)
     return [(f"{node}/{chunk_key(array, coords)}", coords) for coords in np.ndindex(*grid)]
 
 
@@ -206,16 +231,30 @@ def check_zarr_present(node: str, array: Any, tree: LocalTree) -> None:
     if math.prod(array.shape) == 0:
         return
     present = tree.under(node)
-    for key, coords in zarr_chunk_keys(node, array, len(present)):
+    if isinstance(array, PlainArray):  # keys and sizes from the document alone
+        expected = math.prod(grid_shape(array.shape, array.grid))
+        if expected > len(present):
+            raise _truncated(node, len(present), expected)
+        files: Any = array.files()
+    else:
+        files = ((key, coords, zarr_expected_file_size(array, coords))
+                 for key, coords in zarr_chunk_keys(node, array, len(present)))
+    for key, _coords, size in files:
         got = present.get(key)
         if got is None:
             raise IntegrityError(f"{node!r}: chunk file {key!r} is missing; the data is truncated")
-        size = zarr_expected_file_size(array, coords)
         if size is not None and got != size:
             raise IntegrityError(
                 f"{node!r}: chunk file {key!r} has {got} bytes, expected {size}; it is truncated "
                 "or corrupt"
             )
+
+
+def _truncated(node: str, present: int, expected: int) -> IntegrityError:
+    return IntegrityError(
+        f"{node!r}: {present} of {expected} chunk files are present; the checkpoint is "
+        "truncated or was never completely written"
+    )
 
 
 def touched_keys(node: str, array: Any, selection: Any) -> list[str]:

@@ -38,16 +38,25 @@ ZarrUserWarning: type[Warning] = getattr(zarr.errors, "ZarrUserWarning", UserWar
 
 def metadata_document(array: Any) -> dict[str, Any]:
     """The array's ``zarr.json`` document as zarr would write it (plain JSON values); ``array``
-    may also be such a document itself (a ``dict``), as lean_store writes or reads it."""
+    may also be such a document itself (a ``dict``), as lean_store writes or reads it, or an
+    array described by one (its ``document``: :class:`.plain.PlainArray`)."""
+    doc = _own_document(array)
+    return array.metadata.to_dict() if doc is None else doc
+
+
+def _own_document(array: Any) -> dict[str, Any] | None:
+    """The document ``array`` is or carries (lean_store's own descriptions), else None (a
+    zarr array: its metadata objects are asked)."""
     if isinstance(array, dict):
         return array
-    return array.metadata.to_dict()
+    doc = getattr(array, "document", None)
+    return doc if isinstance(doc, dict) else None
 
 
 def regular_grid(array: Any) -> tuple[int, ...] | None:
     """The shape of one cell of the array's chunk grid (the shard shape when sharded, else the
     chunk shape), or None when the grid is not the spec's ``regular`` grid."""
-    grid = None if isinstance(array, dict) else array.metadata.chunk_grid
+    grid = None if _own_document(array) is not None else array.metadata.chunk_grid
     to_dict = getattr(grid, "to_dict", None)
     doc = to_dict() if to_dict is not None else metadata_document(array)["chunk_grid"]
     if not isinstance(doc, dict) or doc.get("name") != "regular":
@@ -76,7 +85,8 @@ def sharding_document(array: Any) -> dict[str, Any] | None:
 def chunk_key(array: Any, coords: Sequence[int]) -> str:
     """The store key (relative to the array) of the chunk (shard) at grid ``coords``."""
     coords = tuple(int(c) for c in coords)
-    encode = None if isinstance(array, dict) else getattr(array.metadata, "encode_chunk_key", None)
+    doc = _own_document(array)
+    encode = None if doc is not None else getattr(array.metadata, "encode_chunk_key", None)
     if encode is not None:
         return str(encode(coords))
     return key_of_document(metadata_document(array), coords)

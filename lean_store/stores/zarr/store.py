@@ -39,12 +39,12 @@ from ..base import (
 )
 from ..ordered_pool import OrderedPool
 from .checks import (
+    array_codec_names,
     check_zarr_array,
     check_zarr_document,
     check_zarr_key,
     check_zarr_keys_exist,
     check_zarr_present,
-    codec_names,
     read_json_at,
     scan_local_zarr,
     touched_keys,
@@ -63,6 +63,7 @@ from .compat import (
 from .direct_read import DirectReader, direct_read_ok
 from .direct_write import DirectWriter, direct_ok
 from .incremental import linker_for
+from .plain import PlainArray, plain_members, plain_root
 from .verify import structure_problems
 
 _COMPRESSOR_NAMES = {"ZstdCodec": "zstd", "GzipCodec": "gzip", "BloscCodec": "blosc"}
@@ -382,9 +383,29 @@ class ZarrReader(StoreReader):
     def _open(self, source: Any) -> None:
         # one walk of a local store, before zarr reads anything: no symlinks, bounded metadata
         self._tree = scan_local_zarr(self._root) if self._root is not None else None
+        self._source = source
+        self._copies: dict[str, Any] | None = None
+        self._members: dict[str, zarr.Array] | None = None
+        self._plain: dict[str, PlainArray] | None = None
+        self._group_handle: zarr.Group | None = None
+        root_doc: Any = None
+        pinned = isinstance(self._watch, PinnedRoot) and self._tree is not None
+        if pinned and "zarr.json" in self._tree.files:  # type: ignore[union-attr]
+            assert isinstance(self._watch, PinnedRoot)
+            try:
+                root_doc = read_json_at(self._watch.fd, "zarr.json")
+            except IntegrityError:
+                root_doc = None  # zarr's open below reports it
+            # lean_store's own layout, consolidated: every array described from the root
+            # document read once through the pinned directory, without zarr's objects
+            self._plain = plain_members(plain_root(root_doc))
+            if self._plain is not None:
+                self.root_attrs = dict(root_doc["attributes"])
+                self._copies = root_doc["consolidated_metadata"]["metadata"]
+                return
         try:
-            self._group = zarr.open_group(store=source, mode="r", zarr_format=3)
-            self.root_attrs = dict(self._group.attrs)
+            self._group_handle = zarr.open_group(store=source, mode="r", zarr_format=3)
+            self.root_attrs = dict(self._group_handle.attrs)
         except Exception as exc:  # zarr raises many types for malformed stores
             raise IntegrityError(f"{source}: not a readable Zarr v3 group ({exc})") from None
         if self._root is None:
@@ -392,14 +413,14 @@ class ZarrReader(StoreReader):
         # a local store with consolidated metadata: every array is described from the root
         # document read once (no zarr.json per array read when the store opens); each array's
         # own zarr.json is compared with its copy there when that tensor is first read
-        self._copies: dict[str, Any] | None = None
-        self._members: dict[str, zarr.Array] | None = None
         if self._tree is not None and self._group.metadata.consolidated_metadata is None:
             for key in self._tree.files:  # zarr parses every array's own document: bound them
                 if key.endswith("/zarr.json"):
                     check_zarr_document(self._tree.root, key)
-        elif isinstance(self._watch, PinnedRoot) and self._tree is not None:
-            root_doc = read_json_at(self._watch.fd, "zarr.json")
+        elif pinned:
+            if root_doc is None:
+                assert isinstance(self._watch, PinnedRoot)
+                root_doc = read_json_at(self._watch.fd, "zarr.json")
             attrs = root_doc.get("attributes") if isinstance(root_doc, dict) else None
             if not isinstance(attrs, dict) or attrs.get("save_id") != self.root_attrs.get(
                     "save_id"):  # the path now names another save than the directory pinned
@@ -411,6 +432,18 @@ class ZarrReader(StoreReader):
                     self._members = dict(self._group.arrays())
                 except Exception as exc:
                     raise IntegrityError(f"unreadable consolidated metadata ({exc})") from None
+
+    @property
+    def _group(self) -> zarr.Group:
+        """The store as a zarr group; a store described from its root document alone
+        (:mod:`.plain`) opens it only when an array outside that description is asked for."""
+        if self._group_handle is None:
+            try:
+                self._group_handle = zarr.open_group(store=self._source, mode="r", zarr_format=3)
+            except Exception as exc:
+                raise IntegrityError(
+                    f"{self._source}: not a readable Zarr v3 group ({exc})") from None
+        return self._group_handle
 
     def _replaced(self) -> bool:
         return self._watch is not None and self._watch.replaced()
@@ -440,13 +473,15 @@ class ZarrReader(StoreReader):
             self._watch.close()
 
     def nodes(self) -> list[str]:
+        if self._plain is not None:
+            return sorted(self._plain)
         try:
             names = sorted(name for name, _ in self._group.arrays())
         except Exception as exc:
             raise IntegrityError(f"unreadable Zarr group listing ({exc})") from None
         return names
 
-    def _array(self, node: str) -> zarr.Array:
+    def _array(self, node: str) -> zarr.Array | PlainArray:
         array = self._arrays.get(node)
         if array is None:
             check_zarr_key(node)
@@ -460,30 +495,37 @@ class ZarrReader(StoreReader):
                 try:  # the array's own zarr.json, whatever the consolidated metadata says
                     array = zarr.open_array(store=self._group.store, path=node, mode="r",
                                             zarr_format=3)
+                except IntegrityError:
+                    raise
                 except Exception as exc:
                     raise IntegrityError(
                         f"array {node!r} is missing or unreadable ({exc})") from None
-            if not isinstance(array, zarr.Array):
-                raise IntegrityError(f"{node!r} is not an array")
-            check_zarr_array(node, array)
+            if not isinstance(array, PlainArray):  # plain ones were bounded when described
+                if not isinstance(array, zarr.Array):
+                    raise IntegrityError(f"{node!r} is not an array")
+                check_zarr_array(node, array)
             if self._tree is not None:
                 check_zarr_present(node, array, self._tree)
             self._arrays[node] = array
         return array
 
-    def _member(self, node: str) -> zarr.Array | None:
+    def _member(self, node: str) -> zarr.Array | PlainArray | None:
         """``node`` as described by the consolidated metadata (no read), when the store is
         local and its root has a copy of ``node``'s metadata; else None."""
+        if self._plain is not None:
+            return self._plain.get(node)
         if self._copies is None or self._members is None or node not in self._copies:
             return None
         return self._members.get(node)
 
-    def _check_own_document(self, node: str, array: zarr.Array) -> None:
+    def _check_own_document(self, node: str, array: zarr.Array | PlainArray) -> None:
         """The array's own ``zarr.json`` (what zarr-python, TensorStore and h5-style tools read
         without consolidated metadata) must equal its copy in the root, attributes included:
         lean_store described the array from the copy."""
-        if self._copies is not None and node in self._copies and self._members is not None \
-                and self._members.get(node) is array:
+        described = isinstance(array, PlainArray) or (
+            self._copies is not None and self._members is not None
+            and self._members.get(node) is array)
+        if described and self._copies is not None and node in self._copies:
             assert isinstance(self._watch, PinnedRoot)
             own = read_json_at(self._watch.fd, f"{node}/zarr.json")
             if own != self._copies[node]:
@@ -507,8 +549,7 @@ class ZarrReader(StoreReader):
 
     def stored(self, node: str) -> StoredTensor:
         array = self._array(node)
-        meta = array.metadata
-        filters = [type(c).__name__ for c in getattr(meta, "codecs", ())]
+        outer, _inner = array_codec_names(array)
         return StoredTensor(
             node=node,
             attrs=dict(array.attrs),
@@ -517,7 +558,7 @@ class ZarrReader(StoreReader):
             storage="zarr",
             itemsize=array.dtype.itemsize,
             nbytes_on_disk=None,
-            filters=filters,
+            filters=outer,
         )
 
     def type_mismatch(self, node: str, fmt: ScalarFormat) -> str | None:
@@ -528,7 +569,7 @@ class ZarrReader(StoreReader):
 
     def describe(self, node: str) -> StorageDescription:
         array = self._array(node)
-        outer, inner = codec_names(array.metadata)
+        outer, inner = array_codec_names(array)
         codecs = outer if inner is outer else [*outer, *inner]
         under = self._tree.under(node) if self._tree is not None else None
         return StorageDescription(
@@ -605,8 +646,11 @@ class ZarrReader(StoreReader):
             root = self._watch if isinstance(self._watch, PinnedRoot) else None
             # described from the root's copy of its document (equal to its own zarr.json,
             # checked before any data): no re-encoding of zarr's metadata objects
-            doc = self._copies.get(node) if self._copies is not None and \
-                self._members is not None and self._members.get(node) is array else None
+            if isinstance(array, PlainArray):
+                doc: dict[str, Any] | None = array.document
+            else:
+                doc = self._copies.get(node) if self._copies is not None and \
+                    self._members is not None and self._members.get(node) is array else None
             ok = root is not None and self._tree is not None and direct_read_ok(array, doc)
             self._direct[node] = (DirectReader(root.fd, node, array, doc, self._frames)
                                   if ok and root is not None else None)
