@@ -50,26 +50,27 @@ class LocalTree:
 
 def scan_local_zarr(root: Path) -> LocalTree:
     """Walk a Zarr directory once, without following links: reject any symlink or special
-    file, and over-large metadata documents. The walk is bounded by what is on disk. The root
-    ``zarr.json``'s nesting is checked here; an array's own ``zarr.json`` is checked (size and
-    nesting) by whoever parses it: :func:`read_json_at`, or :func:`check_zarr_document` before
-    zarr opens the array."""
+    file, and over-large metadata documents. The walk is bounded by what is on disk. A
+    document's nesting (the root's, an array's own) is checked by whoever parses it:
+    :func:`read_json_at`, or :func:`check_zarr_document` before zarr opens it."""
     tree = LocalTree(root)
     if not (root / "zarr.json").exists():
         return tree  # the zarr open that follows reports the missing metadata
     pending = [("", 0)]  # iterative, depth-first: no recursion, bounded depth
+    base = os.fspath(root)
     while pending:
         prefix, depth = pending.pop()
         try:
-            entries = list(os.scandir(root / prefix if prefix else root))
+            entries = list(os.scandir(os.path.join(base, prefix) if prefix else base))
         except OSError as exc:
             raise IntegrityError(f"{prefix or '.'}: unreadable directory ({exc})") from None
         for entry in entries:
             key = prefix + entry.name
-            info = entry.stat(follow_symlinks=False)
-            if stat.S_ISLNK(info.st_mode):
+            # the directory entry's type (no stat where the file system reports it): a link
+            # or a directory is known without following it; files are stat'ed for their size
+            if entry.is_symlink():
                 raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
-            if stat.S_ISDIR(info.st_mode):
+            if entry.is_dir(follow_symlinks=False):
                 if depth + 1 > MAX_TREE_DEPTH:
                     raise UnsafeFileError(
                         f"{key}: directories nested more than {MAX_TREE_DEPTH} deep inside the "
@@ -77,13 +78,16 @@ def scan_local_zarr(root: Path) -> LocalTree:
                     )
                 pending.append((key + "/", depth + 1))
                 continue
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode):
+                raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
+            if stat.S_ISDIR(info.st_mode):  # replaced by a directory since it was listed
+                raise IntegrityError(f"{key}: changed while the checkpoint was read")
             if not stat.S_ISREG(info.st_mode):
                 raise UnsafeFileError(f"{key}: {file_kind(info.st_mode)} inside the checkpoint")
             if entry.name == "zarr.json":
                 if info.st_size > MAX_METADATA_BYTES:
                     raise UnsafeFileError(f"{key}: {info.st_size} bytes of metadata")
-                if not prefix:
-                    check_zarr_document(root, key)
             tree.files[key] = info.st_size
     return tree
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from functools import partial
 from typing import Any
 
 import google_crc32c
@@ -27,6 +28,7 @@ from . import shard_index
 from .blosc_read import blosc_layout, decode_chunk, stored_size_limit, stored_size_ok
 from .compat import chunk_key, regular_grid, sharding_document
 from .direct_write import direct_ok
+from .plain import PlainArray
 
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -42,6 +44,8 @@ def _inner_chunks(doc: dict[str, Any]) -> tuple[int, ...] | None:
 def direct_read_ok(array: Any, doc: dict[str, Any] | None = None) -> bool:
     """True when ``array`` is stored in the layout :class:`DirectReader` reads. ``doc``: the
     array's metadata document, when the caller has it (else it is built from ``array``)."""
+    if isinstance(array, PlainArray):
+        return True  # recognised as the direct layout when it was described
     desc = array if doc is None else doc
     outer = regular_grid(desc)
     if not (direct_ok(desc) or blosc_layout(desc)) or outer is None:
@@ -67,7 +71,14 @@ class DirectReader:
         self._node = node
         self._shape = tuple(int(d) for d in array.shape)
         self._chunks = tuple(int(c) for c in array.chunks)
-        self._outer = regular_grid(array if doc is None else doc) or self._chunks
+        self._key = partial(chunk_key, array)
+        if isinstance(array, PlainArray):  # checked when it was described: no re-parsing
+            self._outer, self._blosc, self._key = array.grid, array.compressed, array.key
+        else:
+            self._outer = regular_grid(array if doc is None else doc) or self._chunks
+            # compression="weights": each stored chunk is a Blosc frame + CRC-32C,
+            # decompressed here (stores/zarr/blosc_read.py) instead of by zarr's codec pipeline
+            self._blosc = blosc_layout(array if doc is None else doc)
         self._sharded = self._outer != self._chunks
         self._per_shard = tuple(o // c for o, c in zip(self._outer, self._chunks))
         self._slots = math.prod(self._per_shard)
@@ -75,9 +86,6 @@ class DirectReader:
         self._chunk_nbytes = math.prod(self._chunks) * self._itemsize
         self._array = array
         self._indexes: dict[tuple[int, ...], np.ndarray] = {}
-        # compression="weights": each stored chunk is a Blosc frame + CRC-32C, decompressed
-        # here (stores/zarr/blosc_read.py) instead of by zarr's codec pipeline
-        self._blosc = blosc_layout(array if doc is None else doc)
         self._frames = threading.local() if frames is None else frames
 
     def read(self, start: tuple[int, ...], count: tuple[int, ...], step: tuple[int, ...],
@@ -131,9 +139,9 @@ class DirectReader:
         if self._sharded:
             shard = tuple(c // p for c, p in zip(coords, self._per_shard))
             inner = tuple(c % p for c, p in zip(coords, self._per_shard))
-            key = chunk_key(self._array, shard)
+            key = self._key(shard)
         else:
-            shard, inner, key = coords, (), chunk_key(self._array, coords)
+            shard, inner, key = coords, (), self._key(coords)
         try:
             fd = os.open(f"{self._node}/{key}", _O_FLAGS, dir_fd=self._root_fd)
         except OSError as exc:

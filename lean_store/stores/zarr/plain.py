@@ -12,7 +12,9 @@ document (other codecs, grids, key encodings, extra keys) is left to zarr.
 
 from __future__ import annotations
 
+import itertools
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +25,7 @@ from ...chunking import grid_shape
 from ...hardening import MAX_CHUNK_BYTES, MAX_RANK, MAX_SHARD_BYTES
 from . import shard_index
 from .blosc_read import blosc_layout
-from .compat import chunk_key, plain_array_document
-from .direct_write import direct_ok
+from .compat import plain_array_document
 
 _DATA_TYPES = {
     name: np.dtype(name) for name in (
@@ -58,6 +59,11 @@ class PlainArray:
         """The shape of one file's cell: the shard, or the chunk when unsharded."""
         return self.shards or self.chunks
 
+    def key(self, coords: tuple[int, ...]) -> str:
+        """The key (relative to the array) of the chunk (shard) file at grid ``coords``: the
+        default chunk key encoding with "/", as every plain document states."""
+        return "c/" + "/".join(map(str, coords))
+
     def codec_names(self) -> tuple[list[str], list[str]]:
         """(outer, inner) codec class names, as :func:`.checks.codec_names` gives zarr's."""
         codecs = self.document["codecs"]
@@ -73,9 +79,8 @@ class PlainArray:
         itemsize = self.dtype.itemsize
         stored_chunk = math.prod(self.chunks) * itemsize + 4
         slots = math.prod(s // c for s, c in zip(self.shards or (), self.chunks))
-        for coords in np.ndindex(*grid_shape(self.shape, self.grid)):
-            coords = tuple(int(c) for c in coords)
-            key = f"{self.node}/{chunk_key(self.document, coords)}"
+        for coords in itertools.product(*map(range, grid_shape(self.shape, self.grid))):
+            key = f"{self.node}/{self.key(coords)}"
             if self.compressed:
                 yield key, coords, None
             elif self.shards is None:
@@ -122,8 +127,9 @@ def plain_array(node: str, doc: Any) -> PlainArray | None:
     compressor = inner[1] if len(inner) == 3 else None
     rebuilt = plain_array_document(shape, dtype, chunks, shards, doc["attributes"], names,
                                    compressor)
-    if rebuilt != doc or not (direct_ok(doc) or blosc_layout(doc)):
-        return None
+    if rebuilt != doc or sys.byteorder != "little" \
+            or compressor is not None and not blosc_layout(doc):
+        return None  # rebuilt equal: plain ``bytes`` + ``crc32c`` around the compressor
     if len(chunks) != len(shape) or len(outer) != len(shape) or min(chunks) < 1 \
             or min(outer) < 1:
         return None

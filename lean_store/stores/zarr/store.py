@@ -403,6 +403,8 @@ class ZarrReader(StoreReader):
                 self.root_attrs = dict(root_doc["attributes"])
                 self._copies = root_doc["consolidated_metadata"]["metadata"]
                 return
+        if self._tree is not None and root_doc is None and "zarr.json" in self._tree.files:
+            check_zarr_document(self._tree.root, "zarr.json")  # before zarr parses it
         try:
             self._group_handle = zarr.open_group(store=source, mode="r", zarr_format=3)
             self.root_attrs = dict(self._group_handle.attrs)
