@@ -280,30 +280,43 @@ def _encode_indented(value: Any, out: list[str], newline: str, step: str) -> Non
             out.append("{}")
             return
         inner = newline + step
-        out.append("{")
-        first = True
+        sep = "{" + inner
         for key, item in value.items():
-            if not isinstance(key, str):
+            if type(key) is not str:
                 raise _Unusual
-            out.append(inner if first else "," + inner)
-            first = False
+            out.append(sep)
+            sep = "," + inner
             out.append(_encode_str(key))
-            out.append(": ")
-            if key in _MEMO_KEYS and isinstance(item, (dict, list)):
-                _encode_memo(key, item, out, inner, step)
+            kind = type(item)  # the common leaves inline: one call per container, not per leaf
+            if kind is str:
+                out.append(": " + _encode_str(item))
+            elif kind is int:
+                out.append(": " + int.__repr__(item))
             else:
-                _encode_indented(item, out, inner, step)
+                out.append(": ")
+                if key in _MEMO_KEYS and kind in (dict, list):
+                    _encode_memo(key, item, out, inner, step)
+                else:
+                    _encode_indented(item, out, inner, step)
         out.append(newline + "}")
     elif isinstance(value, (list, tuple)):
         if not value:
             out.append("[]")
             return
         inner = newline + step
-        out.append("[")
-        first = True
+        kinds = set(map(type, value))
+        if kinds == {int}:
+            out.append("[" + inner + ("," + inner).join(map(int.__repr__, value))
+                       + newline + "]")
+            return
+        if kinds == {str}:
+            out.append("[" + inner + ("," + inner).join(map(_encode_str, value))
+                       + newline + "]")
+            return
+        sep = "[" + inner
         for item in value:
-            out.append(inner if first else "," + inner)
-            first = False
+            out.append(sep)
+            sep = "," + inner
             _encode_indented(item, out, inner, step)
         out.append(newline + "]")
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -61,13 +62,14 @@ from .compat import (
     plain_array_document,
 )
 from .direct_read import DirectReader, direct_read_ok
-from .direct_write import DirectWriter, direct_ok
+from .direct_write import DirectWriter, direct_ok, make_dirs, write_all
 from .incremental import linker_for
 from .plain import PlainArray, plain_members, plain_root
 from .verify import structure_problems
 
 _COMPRESSOR_NAMES = {"ZstdCodec": "zstd", "GzipCodec": "gzip", "BloscCodec": "blosc"}
 _NOT_COMPRESSION = ("BytesCodec", "Crc32cCodec", "TransposeCodec", "ShardingCodec")
+_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 SHARD_FACTOR = 8  # chunks per shard along the split axis, for tensors above SHARD_MIN_CHUNKS
 SHARD_MIN_CHUNKS = 8
 
@@ -188,7 +190,9 @@ class ZarrTensorWriter(TensorWriter):
         self, array: Any, entry: Entry, chunks: tuple[int, ...], unit: tuple[int, ...],
         direct: DirectWriter | None = None, linker: Any = None,
         written: dict[str, Any] | None = None, array_dir: Path | None = None,
+        node: str | None = None,
     ) -> None:
+        self._node = node  # the array's name in the store, when the caller has it
         self._array = array  # a zarr.Array, or (direct metadata) the document to write at close
         self._linker = linker  # incremental steps, compressed arrays: link equal files after
         self._direct = direct  # whole shard files written without zarr's copies
@@ -209,7 +213,7 @@ class ZarrTensorWriter(TensorWriter):
         elif self._pairs:
             region = region + (slice(0, 2),)
         if self._direct is not None:
-            self._direct.write(region, data)
+            self._direct.write(region, data, crc)
         else:
             self._array[region] = data
             if self._linker is not None:
@@ -223,10 +227,16 @@ class ZarrTensorWriter(TensorWriter):
             doc = {**self._array, "attributes": {**self._array["attributes"], **_plain(attrs)}}
             assert self._array_dir is not None
             text = encoded_document(doc)  # encoded once: this file, and the root's copy
-            self._array_dir.mkdir(exist_ok=True)
-            (self._array_dir / "zarr.json").write_bytes(text.encode())
+            folder = os.fspath(self._array_dir)
+            if self._direct is None or not self._direct.made_folders:
+                make_dirs(folder)
+            fd = os.open(f"{folder}/zarr.json", _O_CREATE, 0o666)
+            try:
+                write_all(fd, [text.encode()])
+            finally:
+                os.close(fd)
             if self._written is not None:
-                self._written[node_name(self.entry.name)] = text
+                self._written[self._node or node_name(self.entry.name)] = text
             return
         self._array.attrs.update(_plain(attrs))
         if self._written is not None:
@@ -281,14 +291,15 @@ class ZarrWriter(StoreWriter):
             # direct writer (Blosc chunks compressed on the writer's pool)
             doc = plain_array_document(shape, dtype, chunks, shards, _plain(attrs),
                                        dimension_names(entry), compressor)
-            if doc is not None and (direct_ok(doc) if compressor is None
+            # uncompressed: plain ``bytes`` + ``crc32c`` by construction (little endian)
+            if doc is not None and (sys.byteorder == "little" if compressor is None
                                     else direct_ok(doc, compressed=True)):
                 array_dir = self._direct_root / node
                 linker = linker_for(array_dir, node, doc)  # incremental steps only
                 writer = DirectWriter(array_dir, doc, chunks, shards, dtype.itemsize, linker,
                                       self._blosc_queue() if compressor is not None else None)
                 return ZarrTensorWriter(doc, entry, chunks, shards or chunks, writer,
-                                        written=self._written, array_dir=array_dir)
+                                        written=self._written, array_dir=array_dir, node=node)
         array = self._group.create_array(
             node,
             shape=shape,
