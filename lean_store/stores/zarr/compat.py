@@ -325,18 +325,14 @@ def _encode_indented(value: Any, out: list[str], newline: str, step: str) -> Non
 
 _MEMO_KEYS = frozenset({"codecs", "chunk_grid", "chunk_key_encoding"})
 """Members of an array document that are alike across most arrays of a checkpoint (plain
-JSON, never an EncodedDocument): their indented text is reused, keyed by their compact text."""
+JSON, never an EncodedDocument): their indented text is reused, keyed by their ``repr`` (as
+distinct as their JSON text for plain values, and cheaper to take)."""
 _MEMO: dict[tuple[str, str, str, str], str] = {}
 _MEMO_LIMIT = 1024
 
 
 def _encode_memo(key: str, value: Any, out: list[str], newline: str, step: str) -> None:
-    try:
-        compact = json.dumps(value, separators=(",", ":"), allow_nan=True)
-    except (TypeError, ValueError):
-        _encode_indented(value, out, newline, step)
-        return
-    memo = (key, compact, newline, step)
+    memo = (key, repr(value), newline, step)  # plain JSON values: repr tells them apart
     text = _MEMO.get(memo)
     if text is None:
         parts: list[str] = []
