@@ -147,9 +147,13 @@ class DirectWriter:
     def __init__(
         self, root: Path, array: Any, chunks: tuple[int, ...], shards: tuple[int, ...] | None,
         itemsize: int, linker: Any = None, queue: OrderedPool | None = None,
+        *, plain: bool = False,
     ) -> None:
+        """``plain``: ``array`` is a document of uncompressed chunks (``bytes`` +
+        ``crc32c``) that :func:`.compat.plain_array_document` built."""
         self._root = os.fspath(root)
-        self._blosc = _chunk_codecs(_inner_codecs(array))[1]  # None: uncompressed chunks
+        # None: uncompressed chunks (a plain document without a compressor: by construction)
+        self._blosc = None if plain else _chunk_codecs(_inner_codecs(array))[1]
         self._queue = queue  # Blosc chunks compressed on its pool (else on the caller)
         self._array = array
         self._linker = linker  # incremental steps: a lean_store.stores.zarr.incremental.UnitLinker

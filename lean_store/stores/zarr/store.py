@@ -74,8 +74,21 @@ SHARD_FACTOR = 8  # chunks per shard along the split axis, for tensors above SHA
 SHARD_MIN_CHUNKS = 8
 
 
+_NATIVE: dict[ScalarFormat, np.dtype | None] = {}  # formats are few, frozen and hashable
+
+
 def native_dtype(fmt: ScalarFormat) -> np.dtype | None:
     """The dtype zarr stores natively for ``fmt``, or None when raw words are stored."""
+    try:
+        return _NATIVE[fmt]
+    except KeyError:
+        dtype = _NATIVE[fmt] = _native_dtype(fmt)
+        return dtype
+    except TypeError:  # an unhashable format: asked every time
+        return _native_dtype(fmt)
+
+
+def _native_dtype(fmt: ScalarFormat) -> np.dtype | None:
     dtype = fmt.numpy_dtype
     if dtype is None or dtype.kind not in "fiubc" or type(dtype).__module__ != "numpy.dtypes":
         return None
@@ -297,7 +310,8 @@ class ZarrWriter(StoreWriter):
                 array_dir = self._direct_root / node
                 linker = linker_for(array_dir, node, doc)  # incremental steps only
                 writer = DirectWriter(array_dir, doc, chunks, shards, dtype.itemsize, linker,
-                                      self._blosc_queue() if compressor is not None else None)
+                                      self._blosc_queue() if compressor is not None else None,
+                                      plain=compressor is None)
                 return ZarrTensorWriter(doc, entry, chunks, shards or chunks, writer,
                                         written=self._written, array_dir=array_dir, node=node)
         array = self._group.create_array(
