@@ -135,9 +135,9 @@ def _read_small_at(dir_fd: int, key: str) -> bytes:
         want = min(size, MAX_METADATA_BYTES) + 1  # a file grown since: read to its end
         while want > 0:
             part = os.read(fd, want)
-            if not part:
-                break
             parts.append(part)
+            if len(part) < want:  # a regular file's end (os.read retries interruptions)
+                break
             want -= len(part)
     except OSError as exc:
         raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None

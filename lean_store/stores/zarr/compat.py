@@ -155,7 +155,7 @@ def plain_array_document(
         }}]
     return {
         "shape": [int(d) for d in shape],
-        "data_type": dtype.name,
+        "data_type": _dtype_name(dtype),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in grid]}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": _fill_json(dtype),
@@ -166,6 +166,17 @@ def plain_array_document(
         "node_type": "array",
         "storage_transformers": [],
     }
+
+
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name`` (a slow property in numpy), looked up once per data type."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
 
 
 def blosc_document(codec: BloscCodec, typesize: int) -> dict[str, Any] | None:
