@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -304,8 +303,7 @@ class ZarrWriter(StoreWriter):
             # direct writer (Blosc chunks compressed on the writer's pool)
             doc = plain_array_document(shape, dtype, chunks, shards, _plain(attrs),
                                        dimension_names(entry), compressor)
-            # uncompressed: plain ``bytes`` + ``crc32c`` by construction (little endian)
-            if doc is not None and (sys.byteorder == "little" if compressor is None
+            if doc is not None and (direct_ok(doc) if compressor is None
                                     else direct_ok(doc, compressed=True)):
                 array_dir = self._direct_root / node
                 linker = linker_for(array_dir, node, doc)  # incremental steps only
