@@ -215,3 +215,54 @@ def test_no_fsync_on_tmpfs_but_on_disk(tmp_path: Path, monkeypatch: pytest.Monke
     if not fs_sync.in_memory(tmp_path):
         commit.fsync_tree(tmp_path / "d")
         assert synced
+
+
+BIG = RNG.standard_normal((900, 1024), dtype=np.float32)  # 4 chunks of 1 MiB, the last partial
+
+
+def _big(tmp_path: Path) -> Path:
+    path = tmp_path / "big.zarr"
+    ls.save({"x": BIG, "v": STATE["b"]}, path, chunk_bytes=1 << 20)
+    return path
+
+
+def test_digest_follows_from_the_checked_chunk_crcs(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-tensor read of the direct layout combines the chunks' CRCs (checked as they are
+    read, the big chunks on another thread meanwhile) into the digest: no second pass."""
+    import lean_store.checkpoint as checkpoint
+
+    path = _big(tmp_path)
+
+    def no_second_pass(*args, **kwargs):
+        raise AssertionError("the digest was computed over the data again")
+
+    monkeypatch.setattr(checkpoint, "crc32c_update", no_second_pass)
+    loaded = ls.load_state(path)
+    assert np.array_equal(np.asarray(loaded["x"]), BIG)
+    assert np.array_equal(np.asarray(loaded["v"]), STATE["b"])
+
+
+@pytest.mark.parametrize("chunk", ["0", "1", "3"])  # full chunks (read unchecked), the edge one
+def test_damaged_chunk_refused_on_load(tmp_path: Path, chunk: str) -> None:
+    path = _big(tmp_path)
+    file = path / "x" / "c" / chunk / "0"
+    raw = bytearray(file.read_bytes())
+    raw[1000] ^= 0x40
+    file.write_bytes(bytes(raw))
+    with pytest.raises(ls.IntegrityError, match=rf"'x'.*chunk \({chunk}, 0\).*crc32c"):
+        ls.load_state(path)
+
+
+def test_digest_mismatch_refused(tmp_path: Path) -> None:
+    """Chunks intact but the recorded digest altered (in the array's document and its copy
+    alike): the digest combined from the chunks' CRCs disagrees."""
+    path = _big(tmp_path)
+    root = _root(path)
+    root["consolidated_metadata"]["metadata"]["x"]["attributes"]["crc32c"] ^= 1
+    (path / "zarr.json").write_text(json.dumps(root, indent=2))
+    own = json.loads((path / "x" / "zarr.json").read_text())
+    own["attributes"]["crc32c"] ^= 1
+    (path / "x" / "zarr.json").write_text(json.dumps(own, indent=2))
+    with pytest.raises(ls.IntegrityError, match="'x'.*does not match the recorded"):
+        ls.load_state(path)

@@ -22,7 +22,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from ...chunking import touched_cells
+from ...chunking import chunk_number, touched_cells
 from ...errors import IntegrityError
 from . import shard_index
 from .blosc_read import blosc_layout, decode_chunk, stored_size_limit, stored_size_ok
@@ -86,6 +86,11 @@ class DirectReader:
         self._chunk_nbytes = math.prod(self._chunks) * self._itemsize
         self._array = array
         self._indexes: dict[tuple[int, ...], np.ndarray] = {}
+        self._grid = tuple(-(-d // c) for d, c in zip(self._shape, self._chunks))
+        # chunk number (C order) -> CRC-32C of the words of that chunk as last read (checked,
+        # or to be checked by :meth:`check_chunk`): the digest of a whole-tensor read follows
+        self.word_crcs: dict[int, int] = {}
+        self._unchecked: dict[int, int] = {}  # chunk number -> its stored CRC, not yet checked
         self._frames = threading.local() if frames is None else frames
 
     def read(self, start: tuple[int, ...], count: tuple[int, ...], step: tuple[int, ...],
@@ -103,7 +108,7 @@ class DirectReader:
             ccount = tuple(min(c, d - a) for a, c, d in zip(cstart, self._chunks, self._shape))
             if cstart == start and ccount == count and all(s == 1 for s in step) \
                     and self._is_prefix(ccount):
-                self._read_chunk(coords, flat)
+                self.word_crcs[chunk_number(coords, self._grid)] = self._read_chunk(coords, flat)
                 continue
             if scratch is None:
                 scratch = np.empty(self._chunk_nbytes, np.uint8)
@@ -121,6 +126,38 @@ class DirectReader:
                 src.append(slice(a + k0 * st - ca, a + (k1 - 1) * st - ca + 1, st))
             dst_all[tuple(dst)] = chunk[tuple(src)]
 
+    def words_crc_ok(self) -> bool:
+        """Whether every whole-chunk read of this array records its words' CRC-32C in
+        :attr:`word_crcs`: uncompressed chunks whose part inside the array (at its edge too)
+        is a prefix of the chunk's bytes (row blocks)."""
+        edge = tuple(d - (g - 1) * c for d, c, g in zip(self._shape, self._chunks, self._grid))
+        return not self._blosc and all(self._grid) and self._is_prefix(edge)
+
+    def read_unchecked(self, start: tuple[int, ...], out: np.ndarray) -> bool:
+        """The whole chunk at ``start`` into the C-contiguous ``out`` without its CRC-32C
+        check, left to :meth:`check_chunk`: only a full chunk (no padding: its stored CRC is
+        its words'), uncompressed. False (nothing read) for any other chunk."""
+        coords = tuple(a // c for a, c in zip(start, self._chunks))
+        if self._blosc or out.nbytes != self._chunk_nbytes \
+                or tuple(i * c for i, c in zip(coords, self._chunks)) != tuple(start) \
+                or any(i >= g for i, g in zip(coords, self._grid)):
+            return False
+        number = chunk_number(coords, self._grid)
+        stored = self._read_chunk(coords, out.reshape(-1).view(np.uint8), check=False)
+        self.word_crcs[number] = self._unchecked[number] = stored
+        return True
+
+    def check_chunk(self, number: int, words: np.ndarray) -> None:
+        """Check ``words``, read by :meth:`read_unchecked` as chunk ``number``, against the
+        CRC-32C stored with it; a chunk read checked already: nothing to do."""
+        stored = self._unchecked.pop(number, None)
+        if stored is None:
+            return
+        crc = google_crc32c.value(words.reshape(-1).view(np.uint8))
+        if crc != stored:
+            coords = tuple(int(c) for c in np.unravel_index(number, self._grid))
+            raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")
+
     def _is_prefix(self, ccount: tuple[int, ...]) -> bool:
         """The clipped chunk's elements are a prefix of the chunk's bytes in C order."""
         clipped = [i for i, (n, c) in enumerate(zip(ccount, self._chunks)) if n < c]
@@ -132,9 +169,12 @@ class DirectReader:
         return IntegrityError(f"tensor {self._node!r}: chunk {coords} {what}; the checkpoint is "
                               "corrupt or truncated")
 
-    def _read_chunk(self, coords: tuple[int, ...], dst: np.ndarray) -> None:
+    def _read_chunk(self, coords: tuple[int, ...], dst: np.ndarray, check: bool = True
+                    ) -> int | None:
         """The chunk's bytes into ``dst`` (a flat uint8 array: the whole chunk, or the prefix
-        the array holds of an edge chunk), CRC-32C checked over the whole stored chunk."""
+        the array holds of an edge chunk), CRC-32C checked over the whole stored chunk.
+        Returns the CRC-32C of ``dst``'s bytes (None for a compressed chunk); with ``check``
+        False (a full uncompressed chunk), the stored CRC-32C, unchecked."""
         size = self._chunk_nbytes
         if self._sharded:
             shard = tuple(c // p for c, p in zip(coords, self._per_shard))
@@ -178,12 +218,17 @@ class DirectReader:
                        else decode_chunk(stored, size, dst))
             if problem is not None:
                 raise self._fail(coords, problem)
-            return
+            return None
         if got != size + 4:
             raise self._fail(coords, f"is truncated ({got} of {size + 4} bytes)")
-        crc = google_crc32c.extend(google_crc32c.value(dst), tail[:pad])
-        if crc != int.from_bytes(tail[pad:].tobytes(), "little"):
+        stored = int.from_bytes(tail[pad:].tobytes(), "little")
+        if not check:
+            return stored
+        words = google_crc32c.value(dst)
+        crc = google_crc32c.extend(words, tail[:pad]) if pad else words
+        if crc != stored:
             raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")
+        return words
 
     def _frame_buffer(self, nbytes: int) -> np.ndarray:
         """This thread's buffer for a stored chunk of ``nbytes`` (at most a chunk and a

@@ -255,6 +255,21 @@ class ZarrTensorWriter(TensorWriter):
             self._written[node_name(self.entry.name)] = metadata_document(self._array)
 
 
+class _RecordedCrcs:
+    """The CRC-32C of each chunk's words, by chunk number, as a direct reader recorded them
+    when it read the chunk (a chunk not read yet has none: an error, never a guess)."""
+
+    def __init__(self, node: str, crcs: dict[int, int]) -> None:
+        self._node = node
+        self._crcs = crcs
+
+    def __getitem__(self, number: int) -> int:
+        crc = self._crcs.get(int(number))
+        if crc is None:
+            raise IntegrityError(f"tensor {self._node!r}: chunk {number} has no checked CRC")
+        return crc
+
+
 def _plain(attrs: dict[str, Any]) -> dict[str, Any]:
     """zarr attributes take only plain JSON values (a numpy scalar breaks the handle)."""
     out = {}
@@ -665,6 +680,45 @@ class ZarrReader(StoreReader):
             out[...] = words
             return out, False
         return words, False
+
+    def chunk_crcs(self, node: str) -> Any:
+        """For an array of the direct layout read whole chunk by chunk: the CRC-32C of each
+        chunk's words, recorded as the direct reader checks (or, read unchecked, will check)
+        that chunk against the CRC stored with it, looked up after the chunk is read (so a
+        whole-tensor digest follows from the chunks' CRCs instead of a second pass over the
+        data). None for every other array."""
+        array = self._array(node)
+        if not isinstance(array, PlainArray):
+            return None
+        direct = self._direct_reader(node, array)
+        if direct is None or not direct.words_crc_ok():
+            return None
+        return _RecordedCrcs(node, direct.word_crcs)
+
+    def read_unchecked(
+        self, node: str, selection: Selection, fmt: ScalarFormat, out: np.ndarray
+    ) -> np.ndarray:
+        """A whole full chunk of an array of the direct layout read without its CRC-32C check
+        (:meth:`check_chunk` does it, meanwhile the next chunk is read); any other read is
+        checked here, as :meth:`read`."""
+        array = self._array(node)
+        direct = self._direct_reader(node, array) if isinstance(array, PlainArray) else None
+        if direct is not None and not self._closed and out.flags.c_contiguous \
+                and all(s == 1 for s in selection.step):
+            if node not in self._consistent:  # before any data, as a read
+                self.check_metadata(node)
+            if direct.read_unchecked(selection.start, out):
+                return out
+        return self.read(node, selection, fmt, out)
+
+    def check_chunk(self, node: str, number: int, words: np.ndarray) -> None:
+        direct = self._direct.get(node)
+        if direct is not None:
+            try:
+                direct.check_chunk(number, words)
+            except IntegrityError:
+                self.check_current()  # a file of the opened tree deleted by a save: not damage
+                raise
 
     def _direct_reader(self, node: str, array: zarr.Array) -> DirectReader | None:
         if node not in self._direct:
