@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -71,7 +72,7 @@ class DirectReader:
         self._node = node
         self._shape = tuple(int(d) for d in array.shape)
         self._chunks = tuple(int(c) for c in array.chunks)
-        self._key = partial(chunk_key, array)
+        self._key: Callable[[tuple[int, ...]], str] = partial(chunk_key, array)
         if isinstance(array, PlainArray):  # checked when it was described: no re-parsing
             self._outer, self._blosc, self._key = array.grid, array.compressed, array.key
         else:
@@ -89,7 +90,7 @@ class DirectReader:
         self._grid = tuple(-(-d // c) for d, c in zip(self._shape, self._chunks))
         # chunk number (C order) -> CRC-32C of the words of that chunk as last read (checked,
         # or to be checked by :meth:`check_chunk`): the digest of a whole-tensor read follows
-        self.word_crcs: dict[int, int] = {}
+        self.word_crcs: dict[int, int | None] = {}
         self._unchecked: dict[int, int] = {}  # chunk number -> its stored CRC, not yet checked
         self._frames = threading.local() if frames is None else frames
 
@@ -144,6 +145,7 @@ class DirectReader:
             return False
         number = chunk_number(coords, self._grid)
         stored = self._read_chunk(coords, out.reshape(-1).view(np.uint8), check=False)
+        assert stored is not None  # uncompressed: the stored CRC
         self.word_crcs[number] = self._unchecked[number] = stored
         return True
 
@@ -187,28 +189,18 @@ class DirectReader:
         except OSError as exc:
             raise self._fail(coords, f"cannot be read: file {key!r} ({exc.strerror})") from None
         try:
-            file_size = os.fstat(fd).st_size
-            if self._sharded:
-                index = self._index(fd, file_size, shard, coords)
-                offset, nbytes = (int(v) for v in index[int(np.ravel_multi_index(
-                    inner, self._per_shard))])
-                if shard_index.is_empty(offset, nbytes):
-                    raise self._fail(coords, f"is missing from shard {key!r}")
-                end = file_size - shard_index.index_bytes(self._slots)
-                if not self._size_ok(nbytes) or offset > end or offset + nbytes > end:
-                    raise self._fail(coords, f"has a bad shard index entry ({offset}, {nbytes})")
-            else:
-                offset, nbytes = 0, file_size
-                if not self._size_ok(file_size):
-                    want = f"a Blosc frame of {size}" if self._blosc else str(size + 4)
-                    raise self._fail(coords, f"file {key!r} has {file_size} bytes, not {want}")
-            if self._blosc:  # a compressed chunk: read whole, checked, then decompressed
-                stored = self._frame_buffer(nbytes)
-                got = os.preadv(fd, [stored], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
-            else:
+            if not self._sharded and not self._blosc:
+                # the file is the chunk and its CRC: read with one byte more than it should
+                # hold, so that a longer file shows without an fstat
                 pad = size - dst.size
-                tail = np.empty(pad + 4, np.uint8)  # google_crc32c takes numpy arrays and bytes
-                got = os.preadv(fd, [dst, tail], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
+                tail = np.empty(pad + 5, np.uint8)  # google_crc32c takes numpy arrays and bytes
+                got = os.preadv(fd, [dst, tail], 0)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
+                if got != size + 4:
+                    has = f"more than {size + 4}" if got > size + 4 else str(got)
+                    raise self._fail(coords, f"file {key!r} has {has} bytes, not {size + 4}")
+                tail = tail[:-1]
+            else:
+                got, nbytes, stored, tail, pad = self._read_part(fd, key, shard, inner, coords, dst)
         except OSError as exc:
             raise self._fail(coords, f"cannot be read ({exc})") from None
         finally:
@@ -221,14 +213,44 @@ class DirectReader:
             return None
         if got != size + 4:
             raise self._fail(coords, f"is truncated ({got} of {size + 4} bytes)")
-        stored = int.from_bytes(tail[pad:].tobytes(), "little")
+        recorded = int.from_bytes(tail[pad:].tobytes(), "little")
         if not check:
-            return stored
+            return recorded
         words = google_crc32c.value(dst)
         crc = google_crc32c.extend(words, tail[:pad]) if pad else words
-        if crc != stored:
+        if crc != recorded:
             raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")
         return words
+
+    def _read_part(self, fd: int, key: str, shard: tuple[int, ...], inner: tuple[int, ...],
+                   coords: tuple[int, ...], dst: np.ndarray) -> tuple[Any, ...]:
+        """Read a chunk out of a shard file, or a compressed chunk's file: (bytes read, bytes
+        stored, the Blosc frame read or None, the uncompressed chunk's tail (padding and
+        CRC) or None, its padding length)."""
+        size = self._chunk_nbytes
+        file_size = os.fstat(fd).st_size
+        if self._sharded:
+            index = self._index(fd, file_size, shard, coords)
+            offset, nbytes = (int(v) for v in index[int(np.ravel_multi_index(
+                inner, self._per_shard))])
+            if shard_index.is_empty(offset, nbytes):
+                raise self._fail(coords, f"is missing from shard {key!r}")
+            end = file_size - shard_index.index_bytes(self._slots)
+            if not self._size_ok(nbytes) or offset > end or offset + nbytes > end:
+                raise self._fail(coords, f"has a bad shard index entry ({offset}, {nbytes})")
+        else:
+            offset, nbytes = 0, file_size
+            if not self._size_ok(file_size):
+                want = f"a Blosc frame of {size}" if self._blosc else str(size + 4)
+                raise self._fail(coords, f"file {key!r} has {file_size} bytes, not {want}")
+        if self._blosc:  # a compressed chunk: read whole, checked, then decompressed
+            stored = self._frame_buffer(nbytes)
+            got = os.preadv(fd, [stored], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
+            return got, nbytes, stored, None, 0
+        pad = size - dst.size
+        tail = np.empty(pad + 4, np.uint8)  # google_crc32c takes numpy arrays and bytes
+        got = os.preadv(fd, [dst, tail], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
+        return got, nbytes, None, tail, pad
 
     def _frame_buffer(self, nbytes: int) -> np.ndarray:
         """This thread's buffer for a stored chunk of ``nbytes`` (at most a chunk and a

@@ -259,7 +259,7 @@ class _RecordedCrcs:
     """The CRC-32C of each chunk's words, by chunk number, as a direct reader recorded them
     when it read the chunk (a chunk not read yet has none: an error, never a guess)."""
 
-    def __init__(self, node: str, crcs: dict[int, int]) -> None:
+    def __init__(self, node: str, crcs: dict[int, int | None]) -> None:
         self._node = node
         self._crcs = crcs
 
@@ -410,7 +410,7 @@ class ZarrReader(StoreReader):
             if replaced:  # what was read may mix two checkpoints: say so, not "corrupt"
                 raise CheckpointReplacedError(self._where, "while it was being opened") from None
             raise
-        self._arrays: dict[str, zarr.Array] = {}
+        self._arrays: dict[str, zarr.Array | PlainArray] = {}
         self._direct: dict[str, DirectReader | None] = {}
         self._frames = threading.local()  # compressed chunks' scratch, shared by the arrays
         self._consistent: set[str] = set()
@@ -573,6 +573,8 @@ class ZarrReader(StoreReader):
                     f"{node!r}: {node}/zarr.json disagrees with its copy in the consolidated "
                     "metadata of the root zarr.json; the store was altered after it was written"
                 )
+        elif isinstance(array, PlainArray):  # pragma: no cover - described from a copy
+            raise IntegrityError(f"{node!r}: no consolidated copy of its metadata")
         else:
             check_consolidated(node, array, self._group)
 
@@ -669,6 +671,8 @@ class ZarrReader(StoreReader):
                 out[...] = into
                 return out, True
             return into, True
+        if isinstance(array, PlainArray):  # pragma: no cover - always read directly
+            raise IntegrityError(f"tensor {node!r}: not readable from its files")
         if self._tree is None:  # other stores: the chunks this read touches must exist
             check_zarr_keys_exist(node, array, touched_keys(node, array, selection))
         try:
@@ -720,7 +724,8 @@ class ZarrReader(StoreReader):
                 self.check_current()  # a file of the opened tree deleted by a save: not damage
                 raise
 
-    def _direct_reader(self, node: str, array: zarr.Array) -> DirectReader | None:
+    def _direct_reader(self, node: str, array: zarr.Array | PlainArray
+                       ) -> DirectReader | None:
         if node not in self._direct:
             root = self._watch if isinstance(self._watch, PinnedRoot) else None
             # described from the root's copy of its document (equal to its own zarr.json,
