@@ -266,3 +266,23 @@ def test_digest_mismatch_refused(tmp_path: Path) -> None:
     (path / "x" / "zarr.json").write_text(json.dumps(own, indent=2))
     with pytest.raises(ls.IntegrityError, match="'x'.*does not match the recorded"):
         ls.load_state(path)
+
+
+def test_array_folders_made_once_each_top_down(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank-4 array's chunk folders (``w/c/0/0/0``) are made parent first, one ``mkdir``
+    each, none failing and retried."""
+    made: list[str] = []
+    real = os.mkdir
+
+    def spy(path, *args, **kwargs):
+        made.append(os.fspath(path).partition(".lean_store-tmp-")[2][32:])
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", spy)
+    ls.save({"w": np.zeros((4, 4, 3, 3), np.float32), "b": np.ones(3, np.float32)},
+            tmp_path / "ck.zarr")
+    monkeypatch.setattr(os, "mkdir", real)
+    arrays = [m for m in made if m.count("/") >= 1]
+    assert arrays == ["/w", "/w/c", "/w/c/0", "/w/c/0/0", "/w/c/0/0/0", "/b", "/b/c"]
+    assert np.array_equal(np.asarray(ls.load_state(tmp_path / "ck.zarr")["b"]), np.ones(3))

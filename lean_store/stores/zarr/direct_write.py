@@ -175,10 +175,7 @@ class DirectWriter:
         path = f"{self._root}/{key}"
         folder = path.rpartition("/")[0]
         if folder not in self._made:
-            if not self._made:  # the array's own folder first: no failed mkdir below it
-                make_dirs(self._root)
-            make_dirs(folder)
-            self._made.add(folder)
+            self._make_folders(folder)
         pieces: list[Any] = []
         if self._shards is None:
             if self._blosc is not None and self._queue is not None and (
@@ -204,6 +201,19 @@ class DirectWriter:
                 pieces += chunk
             pieces += shard_index.encode(index)
         self._put(path, key, pieces)
+
+    def _make_folders(self, folder: str) -> None:
+        """``folder`` (below the array's own) and its parents, top down: one ``mkdir`` each
+        in a fresh tree, none failing."""
+        if not self._made:
+            make_dirs(self._root)
+            self._made.add(self._root)
+        at = self._root
+        for part in folder[len(self._root) + 1:].split("/"):
+            at = f"{at}/{part}"
+            if at not in self._made:
+                make_dirs(at)
+                self._made.add(at)
 
     @property
     def made_folders(self) -> bool:
