@@ -286,3 +286,23 @@ def test_array_folders_made_once_each_top_down(tmp_path: Path,
     arrays = [m for m in made if m.count("/") >= 1]
     assert arrays == ["/w", "/w/c", "/w/c/0", "/w/c/0/0", "/w/c/0/0/0", "/b", "/b/c"]
     assert np.array_equal(np.asarray(ls.load_state(tmp_path / "ck.zarr")["b"]), np.ones(3))
+
+
+@pytest.mark.parametrize("size", [0, 5, 65535, 65536, 65537, 200_000])
+def test_metadata_read_whole_and_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         size: int) -> None:
+    from lean_store.stores.zarr import checks
+
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        assert checks._read_small_at(fd, "f") == data
+        monkeypatch.setattr(checks, "MAX_METADATA_BYTES", 65536)
+        if size > 65536:
+            with pytest.raises(ls.UnsafeFileError, match="more than 65536 bytes"):
+                checks._read_small_at(fd, "f")
+        else:
+            assert checks._read_small_at(fd, "f") == data
+    finally:
+        os.close(fd)

@@ -120,33 +120,34 @@ def read_json_at(dir_fd: int, key: str) -> Any:
 _O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
+_FIRST_READ = 64 << 10  # one read takes a whole array document (about 1 KiB) and more
+
+
 def _read_small_at(dir_fd: int, key: str) -> bytes:
     """The bytes of the metadata file ``key`` below ``dir_fd`` (at most
-    ``MAX_METADATA_BYTES``): one open, one fstat, one read sized by the file."""
+    ``MAX_METADATA_BYTES``): one open and, for a document of less than 64 KiB, one read (a
+    read of a regular file returns fewer bytes than asked only at its end)."""
     try:
         fd = os.open(key, _O_READ, dir_fd=dir_fd)
     except OSError as exc:
         raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
     try:
-        size = os.fstat(fd).st_size
-        if size > MAX_METADATA_BYTES:
-            raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
         parts = []
-        want = min(size, MAX_METADATA_BYTES) + 1  # a file grown since: read to its end
-        while want > 0:
+        total, want = 0, _FIRST_READ
+        while total <= MAX_METADATA_BYTES:
             part = os.read(fd, want)
             parts.append(part)
-            if len(part) < want:  # a regular file's end (os.read retries interruptions)
+            total += len(part)
+            if len(part) < want:
                 break
-            want -= len(part)
+            want = min(max(want, total), MAX_METADATA_BYTES + 1 - total) or 1
     except OSError as exc:
         raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
     finally:
         os.close(fd)
-    raw = parts[0] if len(parts) == 1 else b"".join(parts)
-    if len(raw) > MAX_METADATA_BYTES:
+    if total > MAX_METADATA_BYTES:
         raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
-    return raw
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def check_zarr_key(key: str) -> None:
