@@ -716,6 +716,8 @@ class ZarrReader(StoreReader):
         return self.read(node, selection, fmt, out)
 
     def check_chunk(self, node: str, number: int, words: np.ndarray) -> None:
+        if self._closed:  # its reader (and what it was to check against) is gone
+            raise CheckpointError(f"{self._where}: the checkpoint was closed")
         direct = self._direct.get(node)
         if direct is not None:
             try:
