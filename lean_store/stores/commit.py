@@ -246,7 +246,10 @@ def fsync_tree(path: Path) -> None:
     data was made durable when that checkpoint was committed; the new name itself is made
     durable with the directories. The directories' entries are made durable by one
     ``syncfs`` where the platform has it (one journal commit instead of one per directory;
-    :mod:`.fs_sync`), else by an fsync of each directory."""
+    :mod:`.fs_sync`), else by an fsync of each directory. On a file system kept in memory
+    (tmpfs, e.g. /dev/shm) there is nothing to make durable, and nothing is done."""
+    if fs_sync.in_memory(path):
+        return
     if path.is_dir():
         dirs = []
         for root, _dirs, files in os.walk(path):

@@ -48,4 +48,40 @@ def syncfs(path: Path) -> bool:
     return True
 
 
-__all__ = ["syncfs"]
+_MEMORY_FILE_SYSTEMS = frozenset({0x01021994, 0x858458F6})  # TMPFS_MAGIC, RAMFS_MAGIC
+_STATFS_BYTES = 512  # more than any platform's ``struct statfs``
+
+
+def _libc_statfs() -> Any:
+    """``statfs`` where its ``f_type`` is the first field and a C ``long`` (Linux on x86_64
+    and aarch64, whose ``struct statfs`` starts with ``__fsword_t f_type``); else None."""
+    import platform
+
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_char_p, ctypes.c_void_p)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_STATFS = _libc_statfs()
+
+
+def in_memory(path: Path) -> bool:
+    """True when ``path`` lies on a file system kept only in memory (tmpfs, ramfs: e.g.
+    /dev/shm), where ``fsync`` and ``syncfs`` do nothing: there is no storage to make a
+    write durable on, and a process crash loses nothing that was written. False where it
+    cannot be told."""
+    if _STATFS is None:
+        return False
+    buf = ctypes.create_string_buffer(_STATFS_BYTES)
+    if _STATFS(os.fsencode(path), buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value in _MEMORY_FILE_SYSTEMS
+
+
+__all__ = ["in_memory", "syncfs"]

@@ -180,13 +180,14 @@ def test_zarr_plain_path_reads_one_chunk_file(tmp_path, weights, reads):
         ck["w"][0:1, 0:1]
         part, calls, nbytes = reads.during(lambda: ck["w"][10:12, 100:200:3])
         np.testing.assert_array_equal(part, state[10:12, 100:200:3])
-        assert calls == [("open", "w/c/2/0"), ("preadv", 0, CHUNK + CRC)]
+        # one byte more than the file holds is asked for: a longer file shows without fstat
+        assert calls == [("open", "w/c/2/0"), ("preadv", 0, CHUNK + CRC + 1)]
         assert CHUNK + CRC <= nbytes < CHUNK + CRC + SLACK
 
         part, calls, nbytes = reads.during(lambda: ck["w"][6:10])
         np.testing.assert_array_equal(part, state[6:10])
-        assert calls == [("open", "w/c/1/0"), ("preadv", 0, CHUNK + CRC),
-                         ("open", "w/c/2/0"), ("preadv", 0, CHUNK + CRC)]
+        assert calls == [("open", "w/c/1/0"), ("preadv", 0, CHUNK + CRC + 1),
+                         ("open", "w/c/2/0"), ("preadv", 0, CHUNK + CRC + 1)]
         assert 2 * (CHUNK + CRC) <= nbytes < 2 * (CHUNK + CRC) + SLACK
 
 

@@ -38,9 +38,10 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     seen: list[tuple[int, ...]] = []
     orig = zdr.DirectReader._read_chunk
 
-    def spy(self: zdr.DirectReader, coords: tuple[int, ...], dst: np.ndarray) -> None:
+    def spy(self: zdr.DirectReader, coords: tuple[int, ...], dst: np.ndarray, *args, **kwargs
+            ) -> int | None:
         seen.append(coords)
-        orig(self, coords, dst)
+        return orig(self, coords, dst, *args, **kwargs)
 
     monkeypatch.setattr(zdr.DirectReader, "_read_chunk", spy)
     return seen

@@ -23,6 +23,7 @@ from ...hardening import (
     file_kind,
 )
 from . import shard_index
+from .plain import PlainArray
 
 
 @dataclass
@@ -49,26 +50,27 @@ class LocalTree:
 
 def scan_local_zarr(root: Path) -> LocalTree:
     """Walk a Zarr directory once, without following links: reject any symlink or special
-    file, and over-large metadata documents. The walk is bounded by what is on disk. The root
-    ``zarr.json``'s nesting is checked here; an array's own ``zarr.json`` is checked (size and
-    nesting) by whoever parses it: :func:`read_json_at`, or :func:`check_zarr_document` before
-    zarr opens the array."""
+    file, and over-large metadata documents. The walk is bounded by what is on disk. A
+    document's nesting (the root's, an array's own) is checked by whoever parses it:
+    :func:`read_json_at`, or :func:`check_zarr_document` before zarr opens it."""
     tree = LocalTree(root)
     if not (root / "zarr.json").exists():
         return tree  # the zarr open that follows reports the missing metadata
     pending = [("", 0)]  # iterative, depth-first: no recursion, bounded depth
+    base = os.fspath(root)
     while pending:
         prefix, depth = pending.pop()
         try:
-            entries = list(os.scandir(root / prefix if prefix else root))
+            entries = list(os.scandir(os.path.join(base, prefix) if prefix else base))
         except OSError as exc:
             raise IntegrityError(f"{prefix or '.'}: unreadable directory ({exc})") from None
         for entry in entries:
             key = prefix + entry.name
-            info = entry.stat(follow_symlinks=False)
-            if stat.S_ISLNK(info.st_mode):
+            # the directory entry's type (no stat where the file system reports it): a link
+            # or a directory is known without following it; files are stat'ed for their size
+            if entry.is_symlink():
                 raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
-            if stat.S_ISDIR(info.st_mode):
+            if entry.is_dir(follow_symlinks=False):
                 if depth + 1 > MAX_TREE_DEPTH:
                     raise UnsafeFileError(
                         f"{key}: directories nested more than {MAX_TREE_DEPTH} deep inside the "
@@ -76,13 +78,16 @@ def scan_local_zarr(root: Path) -> LocalTree:
                     )
                 pending.append((key + "/", depth + 1))
                 continue
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode):
+                raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
+            if stat.S_ISDIR(info.st_mode):  # replaced by a directory since it was listed
+                raise IntegrityError(f"{key}: changed while the checkpoint was read")
             if not stat.S_ISREG(info.st_mode):
                 raise UnsafeFileError(f"{key}: {file_kind(info.st_mode)} inside the checkpoint")
             if entry.name == "zarr.json":
                 if info.st_size > MAX_METADATA_BYTES:
                     raise UnsafeFileError(f"{key}: {info.st_size} bytes of metadata")
-                if not prefix:
-                    check_zarr_document(root, key)
             tree.files[key] = info.st_size
     return tree
 
@@ -104,24 +109,45 @@ def read_json_at(dir_fd: int, key: str) -> Any:
     """The JSON document at ``key`` below the directory ``dir_fd`` (no link followed), with
     the bounds of :func:`scan_local_zarr` (size, nesting) checked on the raw bytes before it is
     parsed. Missing, unreadable or malformed: :class:`IntegrityError`."""
-
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(key, flags, dir_fd=dir_fd)
-    except OSError as exc:
-        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(MAX_METADATA_BYTES + 1)
-    except OSError as exc:
-        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
-    if len(raw) > MAX_METADATA_BYTES:
-        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
+    raw = _read_small_at(dir_fd, key)
     check_json_depth(raw, key)
     try:
         return json.loads(raw)
     except ValueError as exc:
         raise IntegrityError(f"{key}: not valid JSON ({exc})") from None
+
+
+_O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+_FIRST_READ = 64 << 10  # one read takes a whole array document (about 1 KiB) and more
+
+
+def _read_small_at(dir_fd: int, key: str) -> bytes:
+    """The bytes of the metadata file ``key`` below ``dir_fd`` (at most
+    ``MAX_METADATA_BYTES``): one open and, for a document of less than 64 KiB, one read (a
+    read of a regular file returns fewer bytes than asked only at its end)."""
+    try:
+        fd = os.open(key, _O_READ, dir_fd=dir_fd)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
+    try:
+        parts = []
+        total, want = 0, _FIRST_READ
+        while total <= MAX_METADATA_BYTES:
+            part = os.read(fd, want)
+            parts.append(part)
+            total += len(part)
+            if len(part) < want:
+                break
+            want = min(max(want, total), MAX_METADATA_BYTES + 1 - total) or 1
+    except OSError as exc:
+        raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    if total > MAX_METADATA_BYTES:
+        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def check_zarr_key(key: str) -> None:
@@ -145,6 +171,13 @@ def codec_names(metadata: Any) -> tuple[list[str], list[str]]:
             if unknown:
                 raise UnsafeFileError(f"unsupported codecs inside a shard: {unknown}")
     return outer, inner
+
+
+def array_codec_names(array: Any) -> tuple[list[str], list[str]]:
+    """:func:`codec_names` of a zarr array or a :class:`.plain.PlainArray`."""
+    if isinstance(array, PlainArray):
+        return array.codec_names()
+    return codec_names(array.metadata)
 
 
 def check_zarr_array(node: str, array: Any) -> None:
@@ -172,10 +205,7 @@ def zarr_chunk_keys(node: str, array: Any, present: int) -> list[tuple[str, tupl
     grid = grid_shape(array.shape, outer)
     expected = math.prod(grid)
     if expected > present:
-        raise IntegrityError(
-            f"{node!r}: {present} of {expected} chunk files are present; the checkpoint is "
-            "truncated or was never completely written"
-        )
+        raise _truncated(node, present, expected)
     return [(f"{node}/{chunk_key(array, coords)}", coords) for coords in np.ndindex(*grid)]
 
 
@@ -206,16 +236,30 @@ def check_zarr_present(node: str, array: Any, tree: LocalTree) -> None:
     if math.prod(array.shape) == 0:
         return
     present = tree.under(node)
-    for key, coords in zarr_chunk_keys(node, array, len(present)):
+    if isinstance(array, PlainArray):  # keys and sizes from the document alone
+        expected = math.prod(grid_shape(array.shape, array.grid))
+        if expected > len(present):
+            raise _truncated(node, len(present), expected)
+        files: Any = array.files()
+    else:
+        files = ((key, coords, zarr_expected_file_size(array, coords))
+                 for key, coords in zarr_chunk_keys(node, array, len(present)))
+    for key, _coords, size in files:
         got = present.get(key)
         if got is None:
             raise IntegrityError(f"{node!r}: chunk file {key!r} is missing; the data is truncated")
-        size = zarr_expected_file_size(array, coords)
         if size is not None and got != size:
             raise IntegrityError(
                 f"{node!r}: chunk file {key!r} has {got} bytes, expected {size}; it is truncated "
                 "or corrupt"
             )
+
+
+def _truncated(node: str, present: int, expected: int) -> IntegrityError:
+    return IntegrityError(
+        f"{node!r}: {present} of {expected} chunk files are present; the checkpoint is "
+        "truncated or was never completely written"
+    )
 
 
 def touched_keys(node: str, array: Any, selection: Any) -> list[str]:

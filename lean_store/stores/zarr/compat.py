@@ -38,16 +38,25 @@ ZarrUserWarning: type[Warning] = getattr(zarr.errors, "ZarrUserWarning", UserWar
 
 def metadata_document(array: Any) -> dict[str, Any]:
     """The array's ``zarr.json`` document as zarr would write it (plain JSON values); ``array``
-    may also be such a document itself (a ``dict``), as lean_store writes or reads it."""
+    may also be such a document itself (a ``dict``), as lean_store writes or reads it, or an
+    array described by one (its ``document``: :class:`.plain.PlainArray`)."""
+    doc = _own_document(array)
+    return array.metadata.to_dict() if doc is None else doc
+
+
+def _own_document(array: Any) -> dict[str, Any] | None:
+    """The document ``array`` is or carries (lean_store's own descriptions), else None (a
+    zarr array: its metadata objects are asked)."""
     if isinstance(array, dict):
         return array
-    return array.metadata.to_dict()
+    doc = getattr(array, "document", None)
+    return doc if isinstance(doc, dict) else None
 
 
 def regular_grid(array: Any) -> tuple[int, ...] | None:
     """The shape of one cell of the array's chunk grid (the shard shape when sharded, else the
     chunk shape), or None when the grid is not the spec's ``regular`` grid."""
-    grid = None if isinstance(array, dict) else array.metadata.chunk_grid
+    grid = None if _own_document(array) is not None else array.metadata.chunk_grid
     to_dict = getattr(grid, "to_dict", None)
     doc = to_dict() if to_dict is not None else metadata_document(array)["chunk_grid"]
     if not isinstance(doc, dict) or doc.get("name") != "regular":
@@ -76,7 +85,8 @@ def sharding_document(array: Any) -> dict[str, Any] | None:
 def chunk_key(array: Any, coords: Sequence[int]) -> str:
     """The store key (relative to the array) of the chunk (shard) at grid ``coords``."""
     coords = tuple(int(c) for c in coords)
-    encode = None if isinstance(array, dict) else getattr(array.metadata, "encode_chunk_key", None)
+    doc = _own_document(array)
+    encode = None if doc is not None else getattr(array.metadata, "encode_chunk_key", None)
     if encode is not None:
         return str(encode(coords))
     return key_of_document(metadata_document(array), coords)
@@ -145,7 +155,7 @@ def plain_array_document(
         }}]
     return {
         "shape": [int(d) for d in shape],
-        "data_type": dtype.name,
+        "data_type": _dtype_name(dtype),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in grid]}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": _fill_json(dtype),
@@ -156,6 +166,17 @@ def plain_array_document(
         "node_type": "array",
         "storage_transformers": [],
     }
+
+
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name`` (a slow property in numpy), looked up once per data type."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
 
 
 def blosc_document(codec: BloscCodec, typesize: int) -> dict[str, Any] | None:
@@ -270,30 +291,43 @@ def _encode_indented(value: Any, out: list[str], newline: str, step: str) -> Non
             out.append("{}")
             return
         inner = newline + step
-        out.append("{")
-        first = True
+        sep = "{" + inner
         for key, item in value.items():
-            if not isinstance(key, str):
+            if type(key) is not str:
                 raise _Unusual
-            out.append(inner if first else "," + inner)
-            first = False
+            out.append(sep)
+            sep = "," + inner
             out.append(_encode_str(key))
-            out.append(": ")
-            if key in _MEMO_KEYS and isinstance(item, (dict, list)):
-                _encode_memo(key, item, out, inner, step)
+            kind = type(item)  # the common leaves inline: one call per container, not per leaf
+            if kind is str:
+                out.append(": " + _encode_str(item))
+            elif kind is int:
+                out.append(": " + int.__repr__(item))
             else:
-                _encode_indented(item, out, inner, step)
+                out.append(": ")
+                if key in _MEMO_KEYS and kind in (dict, list):
+                    _encode_memo(key, item, out, inner, step)
+                else:
+                    _encode_indented(item, out, inner, step)
         out.append(newline + "}")
     elif isinstance(value, (list, tuple)):
         if not value:
             out.append("[]")
             return
         inner = newline + step
-        out.append("[")
-        first = True
+        kinds = set(map(type, value))
+        if kinds == {int}:
+            out.append("[" + inner + ("," + inner).join(map(int.__repr__, value))
+                       + newline + "]")
+            return
+        if kinds == {str}:
+            out.append("[" + inner + ("," + inner).join(map(_encode_str, value))
+                       + newline + "]")
+            return
+        sep = "[" + inner
         for item in value:
-            out.append(inner if first else "," + inner)
-            first = False
+            out.append(sep)
+            sep = "," + inner
             _encode_indented(item, out, inner, step)
         out.append(newline + "]")
     else:
@@ -302,18 +336,14 @@ def _encode_indented(value: Any, out: list[str], newline: str, step: str) -> Non
 
 _MEMO_KEYS = frozenset({"codecs", "chunk_grid", "chunk_key_encoding"})
 """Members of an array document that are alike across most arrays of a checkpoint (plain
-JSON, never an EncodedDocument): their indented text is reused, keyed by their compact text."""
+JSON, never an EncodedDocument): their indented text is reused, keyed by their ``repr`` (as
+distinct as their JSON text for plain values, and cheaper to take)."""
 _MEMO: dict[tuple[str, str, str, str], str] = {}
 _MEMO_LIMIT = 1024
 
 
 def _encode_memo(key: str, value: Any, out: list[str], newline: str, step: str) -> None:
-    try:
-        compact = json.dumps(value, separators=(",", ":"), allow_nan=True)
-    except (TypeError, ValueError):
-        _encode_indented(value, out, newline, step)
-        return
-    memo = (key, compact, newline, step)
+    memo = (key, repr(value), newline, step)  # plain JSON values: repr tells them apart
     text = _MEMO.get(memo)
     if text is None:
         parts: list[str] = []

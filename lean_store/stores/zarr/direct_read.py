@@ -16,17 +16,20 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import google_crc32c
 import numpy as np
 
-from ...chunking import touched_cells
+from ...chunking import chunk_number, touched_cells
 from ...errors import IntegrityError
 from . import shard_index
 from .blosc_read import blosc_layout, decode_chunk, stored_size_limit, stored_size_ok
 from .compat import chunk_key, regular_grid, sharding_document
 from .direct_write import direct_ok
+from .plain import PlainArray
 
 _O_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -42,6 +45,8 @@ def _inner_chunks(doc: dict[str, Any]) -> tuple[int, ...] | None:
 def direct_read_ok(array: Any, doc: dict[str, Any] | None = None) -> bool:
     """True when ``array`` is stored in the layout :class:`DirectReader` reads. ``doc``: the
     array's metadata document, when the caller has it (else it is built from ``array``)."""
+    if isinstance(array, PlainArray):
+        return True  # recognised as the direct layout when it was described
     desc = array if doc is None else doc
     outer = regular_grid(desc)
     if not (direct_ok(desc) or blosc_layout(desc)) or outer is None:
@@ -67,7 +72,14 @@ class DirectReader:
         self._node = node
         self._shape = tuple(int(d) for d in array.shape)
         self._chunks = tuple(int(c) for c in array.chunks)
-        self._outer = regular_grid(array if doc is None else doc) or self._chunks
+        self._key: Callable[[tuple[int, ...]], str] = partial(chunk_key, array)
+        if isinstance(array, PlainArray):  # checked when it was described: no re-parsing
+            self._outer, self._blosc, self._key = array.grid, array.compressed, array.key
+        else:
+            self._outer = regular_grid(array if doc is None else doc) or self._chunks
+            # compression="weights": each stored chunk is a Blosc frame + CRC-32C,
+            # decompressed here (stores/zarr/blosc_read.py) instead of by zarr's codec pipeline
+            self._blosc = blosc_layout(array if doc is None else doc)
         self._sharded = self._outer != self._chunks
         self._per_shard = tuple(o // c for o, c in zip(self._outer, self._chunks))
         self._slots = math.prod(self._per_shard)
@@ -75,9 +87,11 @@ class DirectReader:
         self._chunk_nbytes = math.prod(self._chunks) * self._itemsize
         self._array = array
         self._indexes: dict[tuple[int, ...], np.ndarray] = {}
-        # compression="weights": each stored chunk is a Blosc frame + CRC-32C, decompressed
-        # here (stores/zarr/blosc_read.py) instead of by zarr's codec pipeline
-        self._blosc = blosc_layout(array if doc is None else doc)
+        self._grid = tuple(-(-d // c) for d, c in zip(self._shape, self._chunks))
+        # chunk number (C order) -> CRC-32C of the words of that chunk as last read (checked,
+        # or to be checked by :meth:`check_chunk`): the digest of a whole-tensor read follows
+        self.word_crcs: dict[int, int | None] = {}
+        self._unchecked: dict[int, int] = {}  # chunk number -> its stored CRC, not yet checked
         self._frames = threading.local() if frames is None else frames
 
     def read(self, start: tuple[int, ...], count: tuple[int, ...], step: tuple[int, ...],
@@ -95,7 +109,7 @@ class DirectReader:
             ccount = tuple(min(c, d - a) for a, c, d in zip(cstart, self._chunks, self._shape))
             if cstart == start and ccount == count and all(s == 1 for s in step) \
                     and self._is_prefix(ccount):
-                self._read_chunk(coords, flat)
+                self.word_crcs[chunk_number(coords, self._grid)] = self._read_chunk(coords, flat)
                 continue
             if scratch is None:
                 scratch = np.empty(self._chunk_nbytes, np.uint8)
@@ -113,6 +127,39 @@ class DirectReader:
                 src.append(slice(a + k0 * st - ca, a + (k1 - 1) * st - ca + 1, st))
             dst_all[tuple(dst)] = chunk[tuple(src)]
 
+    def words_crc_ok(self) -> bool:
+        """Whether every whole-chunk read of this array records its words' CRC-32C in
+        :attr:`word_crcs`: uncompressed chunks whose part inside the array (at its edge too)
+        is a prefix of the chunk's bytes (row blocks)."""
+        edge = tuple(d - (g - 1) * c for d, c, g in zip(self._shape, self._chunks, self._grid))
+        return not self._blosc and all(self._grid) and self._is_prefix(edge)
+
+    def read_unchecked(self, start: tuple[int, ...], out: np.ndarray) -> bool:
+        """The whole chunk at ``start`` into the C-contiguous ``out`` without its CRC-32C
+        check, left to :meth:`check_chunk`: only a full chunk (no padding: its stored CRC is
+        its words'), uncompressed. False (nothing read) for any other chunk."""
+        coords = tuple(a // c for a, c in zip(start, self._chunks))
+        if self._blosc or out.nbytes != self._chunk_nbytes \
+                or tuple(i * c for i, c in zip(coords, self._chunks)) != tuple(start) \
+                or any(i >= g for i, g in zip(coords, self._grid)):
+            return False
+        number = chunk_number(coords, self._grid)
+        stored = self._read_chunk(coords, out.reshape(-1).view(np.uint8), check=False)
+        assert stored is not None  # uncompressed: the stored CRC
+        self.word_crcs[number] = self._unchecked[number] = stored
+        return True
+
+    def check_chunk(self, number: int, words: np.ndarray) -> None:
+        """Check ``words``, read by :meth:`read_unchecked` as chunk ``number``, against the
+        CRC-32C stored with it; a chunk read checked already: nothing to do."""
+        stored = self._unchecked.pop(number, None)
+        if stored is None:
+            return
+        crc = google_crc32c.value(words.reshape(-1).view(np.uint8))
+        if crc != stored:
+            coords = tuple(int(c) for c in np.unravel_index(number, self._grid))
+            raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")
+
     def _is_prefix(self, ccount: tuple[int, ...]) -> bool:
         """The clipped chunk's elements are a prefix of the chunk's bytes in C order."""
         clipped = [i for i, (n, c) in enumerate(zip(ccount, self._chunks)) if n < c]
@@ -124,43 +171,36 @@ class DirectReader:
         return IntegrityError(f"tensor {self._node!r}: chunk {coords} {what}; the checkpoint is "
                               "corrupt or truncated")
 
-    def _read_chunk(self, coords: tuple[int, ...], dst: np.ndarray) -> None:
+    def _read_chunk(self, coords: tuple[int, ...], dst: np.ndarray, check: bool = True
+                    ) -> int | None:
         """The chunk's bytes into ``dst`` (a flat uint8 array: the whole chunk, or the prefix
-        the array holds of an edge chunk), CRC-32C checked over the whole stored chunk."""
+        the array holds of an edge chunk), CRC-32C checked over the whole stored chunk.
+        Returns the CRC-32C of ``dst``'s bytes (None for a compressed chunk); with ``check``
+        False (a full uncompressed chunk), the stored CRC-32C, unchecked."""
         size = self._chunk_nbytes
         if self._sharded:
             shard = tuple(c // p for c, p in zip(coords, self._per_shard))
             inner = tuple(c % p for c, p in zip(coords, self._per_shard))
-            key = chunk_key(self._array, shard)
+            key = self._key(shard)
         else:
-            shard, inner, key = coords, (), chunk_key(self._array, coords)
+            shard, inner, key = coords, (), self._key(coords)
         try:
             fd = os.open(f"{self._node}/{key}", _O_FLAGS, dir_fd=self._root_fd)
         except OSError as exc:
             raise self._fail(coords, f"cannot be read: file {key!r} ({exc.strerror})") from None
         try:
-            file_size = os.fstat(fd).st_size
-            if self._sharded:
-                index = self._index(fd, file_size, shard, coords)
-                offset, nbytes = (int(v) for v in index[int(np.ravel_multi_index(
-                    inner, self._per_shard))])
-                if shard_index.is_empty(offset, nbytes):
-                    raise self._fail(coords, f"is missing from shard {key!r}")
-                end = file_size - shard_index.index_bytes(self._slots)
-                if not self._size_ok(nbytes) or offset > end or offset + nbytes > end:
-                    raise self._fail(coords, f"has a bad shard index entry ({offset}, {nbytes})")
-            else:
-                offset, nbytes = 0, file_size
-                if not self._size_ok(file_size):
-                    want = f"a Blosc frame of {size}" if self._blosc else str(size + 4)
-                    raise self._fail(coords, f"file {key!r} has {file_size} bytes, not {want}")
-            if self._blosc:  # a compressed chunk: read whole, checked, then decompressed
-                stored = self._frame_buffer(nbytes)
-                got = os.preadv(fd, [stored], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
-            else:
+            if not self._sharded and not self._blosc:
+                # the file is the chunk and its CRC: read with one byte more than it should
+                # hold, so that a longer file shows without an fstat
                 pad = size - dst.size
-                tail = np.empty(pad + 4, np.uint8)  # google_crc32c takes numpy arrays and bytes
-                got = os.preadv(fd, [dst, tail], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
+                tail = np.empty(pad + 5, np.uint8)  # google_crc32c takes numpy arrays and bytes
+                got = os.preadv(fd, [dst, tail], 0)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
+                if got != size + 4:
+                    has = f"more than {size + 4}" if got > size + 4 else str(got)
+                    raise self._fail(coords, f"file {key!r} has {has} bytes, not {size + 4}")
+                tail = tail[:-1]
+            else:
+                got, nbytes, stored, tail, pad = self._read_part(fd, key, shard, inner, coords, dst)
         except OSError as exc:
             raise self._fail(coords, f"cannot be read ({exc})") from None
         finally:
@@ -170,12 +210,47 @@ class DirectReader:
                        else decode_chunk(stored, size, dst))
             if problem is not None:
                 raise self._fail(coords, problem)
-            return
+            return None
         if got != size + 4:
             raise self._fail(coords, f"is truncated ({got} of {size + 4} bytes)")
-        crc = google_crc32c.extend(google_crc32c.value(dst), tail[:pad])
-        if crc != int.from_bytes(tail[pad:].tobytes(), "little"):
+        recorded = int.from_bytes(tail[pad:].tobytes(), "little")
+        if not check:
+            return recorded
+        words = google_crc32c.value(dst)
+        crc = google_crc32c.extend(words, tail[:pad]) if pad else words
+        if crc != recorded:
             raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")
+        return words
+
+    def _read_part(self, fd: int, key: str, shard: tuple[int, ...], inner: tuple[int, ...],
+                   coords: tuple[int, ...], dst: np.ndarray) -> tuple[Any, ...]:
+        """Read a chunk out of a shard file, or a compressed chunk's file: (bytes read, bytes
+        stored, the Blosc frame read or None, the uncompressed chunk's tail (padding and
+        CRC) or None, its padding length)."""
+        size = self._chunk_nbytes
+        file_size = os.fstat(fd).st_size
+        if self._sharded:
+            index = self._index(fd, file_size, shard, coords)
+            offset, nbytes = (int(v) for v in index[int(np.ravel_multi_index(
+                inner, self._per_shard))])
+            if shard_index.is_empty(offset, nbytes):
+                raise self._fail(coords, f"is missing from shard {key!r}")
+            end = file_size - shard_index.index_bytes(self._slots)
+            if not self._size_ok(nbytes) or offset > end or offset + nbytes > end:
+                raise self._fail(coords, f"has a bad shard index entry ({offset}, {nbytes})")
+        else:
+            offset, nbytes = 0, file_size
+            if not self._size_ok(file_size):
+                want = f"a Blosc frame of {size}" if self._blosc else str(size + 4)
+                raise self._fail(coords, f"file {key!r} has {file_size} bytes, not {want}")
+        if self._blosc:  # a compressed chunk: read whole, checked, then decompressed
+            stored = self._frame_buffer(nbytes)
+            got = os.preadv(fd, [stored], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
+            return got, nbytes, stored, None, 0
+        pad = size - dst.size
+        tail = np.empty(pad + 4, np.uint8)  # google_crc32c takes numpy arrays and bytes
+        got = os.preadv(fd, [dst, tail], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
+        return got, nbytes, None, tail, pad
 
     def _frame_buffer(self, nbytes: int) -> np.ndarray:
         """This thread's buffer for a stored chunk of ``nbytes`` (at most a chunk and a

@@ -29,6 +29,7 @@ sharded arrays, and that stock ``zarr.open_group`` reads them;
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,40 @@ INLINE_BYTES = 64 << 10  # chunks smaller than this are compressed on the caller
 
 def _crc_bytes(data: Any) -> bytes:
     return int(google_crc32c.value(data)).to_bytes(4, "little")
+
+
+def _crc_word(crc: Any) -> bytes:
+    """A CRC-32C (or a callable returning it) as the 4 little-endian bytes zarr writes."""
+    return int(crc() if callable(crc) else crc).to_bytes(4, "little")
+
+
+_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+_WRITEV_MAX = 1024  # buffers per writev (IOV_MAX on Linux)
+
+
+def write_all(fd: int, pieces: list[Any]) -> None:
+    """Write ``pieces`` (buffers) in order at ``fd``'s position: one ``writev`` (at most
+    ``_WRITEV_MAX`` buffers a call), resumed after a short write."""
+    views = [v for v in (memoryview(p).cast("B") for p in pieces) if v.nbytes]
+    first = 0
+    while first < len(views):
+        done = os.writev(fd, views[first: first + _WRITEV_MAX])
+        while first < len(views) and done >= views[first].nbytes:
+            done -= views[first].nbytes
+            first += 1
+        if done:  # a short write ended inside this buffer
+            views[first] = views[first][done:]
+
+
+def make_dirs(folder: str) -> None:
+    """``folder`` and any missing parents (a fresh tree: usually one or two ``mkdir``)."""
+    try:
+        os.mkdir(folder)
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        make_dirs(folder.rpartition("/")[0])
+        os.mkdir(folder)
 
 
 @dataclass(frozen=True)
@@ -112,34 +147,44 @@ class DirectWriter:
     def __init__(
         self, root: Path, array: Any, chunks: tuple[int, ...], shards: tuple[int, ...] | None,
         itemsize: int, linker: Any = None, queue: OrderedPool | None = None,
+        *, plain: bool = False,
     ) -> None:
-        self._root = root
-        self._blosc = _chunk_codecs(_inner_codecs(array))[1]  # None: uncompressed chunks
+        """``plain``: ``array`` is a document of uncompressed chunks (``bytes`` +
+        ``crc32c``) that :func:`.compat.plain_array_document` built."""
+        self._root = os.fspath(root)
+        # None: uncompressed chunks (a plain document without a compressor: by construction)
+        self._blosc = None if plain else _chunk_codecs(_inner_codecs(array))[1]
         self._queue = queue  # Blosc chunks compressed on its pool (else on the caller)
         self._array = array
         self._linker = linker  # incremental steps: a lean_store.stores.zarr.incremental.UnitLinker
         self._chunks = chunks
         self._shards = shards
         self._chunk_nbytes = math.prod(chunks) * itemsize
-        self._made: set[Path] = set()
+        self._made: set[str] = set()
 
-    def write(self, region: Region, data: np.ndarray) -> None:
+    def write(self, region: Region, data: np.ndarray, crc: Any = None) -> None:
         """Write the file of the shard (or chunk) whose clipped region is ``region``;
-        ``data`` holds its C-contiguous little-endian bytes. A compressed chunk file of an
-        unsharded array may be written later (its bytes copied first), by the queue."""
+        ``data`` holds its C-contiguous little-endian bytes; ``crc``, when given, is their
+        CRC-32C, or a callable returning it (computed meanwhile on another thread): a whole
+        unsharded, uncompressed chunk then has its checksum taken from it, not computed
+        again. A compressed chunk file of an unsharded array may be written later (its
+        bytes copied first), by the queue."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         unit = self._shards or self._chunks
         key = chunk_key(self._array, tuple(s.start // u for s, u in zip(region, unit)))
-        path = self._root / key
-        if path.parent not in self._made:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._made.add(path.parent)
+        path = f"{self._root}/{key}"
+        folder = path.rpartition("/")[0]
+        if folder not in self._made:
+            self._make_folders(folder)
         pieces: list[Any] = []
         if self._shards is None:
             if self._blosc is not None and self._queue is not None and (
                     self._queue.busy() or flat.size >= INLINE_BYTES):
                 self._queue.submit(lambda pieces: self._put(path, key, pieces),
                                    self._chunk_pieces, flat.copy())
+                return
+            if crc is not None and self._blosc is None and flat.size == self._chunk_nbytes:
+                self._put(path, key, [flat], crc)
                 return
             pieces += self._chunk_pieces(flat)
         else:
@@ -157,13 +202,41 @@ class DirectWriter:
             pieces += shard_index.encode(index)
         self._put(path, key, pieces)
 
-    def _put(self, path: Path, key: str, pieces: list[Any]) -> None:
+    def _make_folders(self, folder: str) -> None:
+        """``folder`` (below the array's own) and its parents, top down: one ``mkdir`` each
+        in a fresh tree, none failing."""
+        if not self._made:
+            make_dirs(self._root)
+            self._made.add(self._root)
+        at = self._root
+        for part in folder[len(self._root) + 1:].split("/"):
+            at = f"{at}/{part}"
+            if at not in self._made:
+                make_dirs(at)
+                self._made.add(at)
+
+    @property
+    def made_folders(self) -> bool:
+        """Whether a chunk file was written (its folders, the array's among them, exist)."""
+        return bool(self._made)
+
+    def _put(self, path: str, key: str, pieces: list[Any], crc: Any = None) -> None:
+        """Create the file ``path`` holding ``pieces``, then (``crc`` given: the CRC-32C of
+        the one piece, or a callable returning it) that CRC as 4 little-endian bytes."""
         if self._linker is not None:
-            self._linker.link_or_write(path, key, pieces)
+            if crc is not None:
+                pieces = [*pieces, _crc_word(crc)]
+            self._linker.link_or_write(Path(path), key, pieces)
             return
-        with open(path, "wb") as f:
-            for piece in pieces:
-                f.write(piece)
+        fd = os.open(path, _O_CREATE, 0o666)
+        try:
+            if callable(crc):  # the data first, while the CRC is computed on another thread
+                write_all(fd, pieces)
+                write_all(fd, [_crc_word(crc)])
+            else:
+                write_all(fd, pieces if crc is None else [*pieces, _crc_word(crc)])
+        finally:
+            os.close(fd)
 
     def _encoded(self, parts: list[np.ndarray]) -> list[list[Any]]:
         """Each chunk's stored pieces; Blosc chunks of a shard compressed on the pool."""
@@ -205,4 +278,5 @@ def direct_ok(array: Any, *, compressed: bool = False) -> bool:
     )
 
 
-__all__ = ["BloscSettings", "DirectWriter", "blosc_settings", "direct_ok"]
+__all__ = ["BloscSettings", "DirectWriter", "blosc_settings", "direct_ok", "make_dirs",
+           "write_all"]

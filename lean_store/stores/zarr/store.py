@@ -39,12 +39,12 @@ from ..base import (
 )
 from ..ordered_pool import OrderedPool
 from .checks import (
+    array_codec_names,
     check_zarr_array,
     check_zarr_document,
     check_zarr_key,
     check_zarr_keys_exist,
     check_zarr_present,
-    codec_names,
     read_json_at,
     scan_local_zarr,
     touched_keys,
@@ -61,18 +61,33 @@ from .compat import (
     plain_array_document,
 )
 from .direct_read import DirectReader, direct_read_ok
-from .direct_write import DirectWriter, direct_ok
+from .direct_write import DirectWriter, direct_ok, make_dirs, write_all
 from .incremental import linker_for
+from .plain import PlainArray, plain_members, plain_root
 from .verify import structure_problems
 
 _COMPRESSOR_NAMES = {"ZstdCodec": "zstd", "GzipCodec": "gzip", "BloscCodec": "blosc"}
 _NOT_COMPRESSION = ("BytesCodec", "Crc32cCodec", "TransposeCodec", "ShardingCodec")
+_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 SHARD_FACTOR = 8  # chunks per shard along the split axis, for tensors above SHARD_MIN_CHUNKS
 SHARD_MIN_CHUNKS = 8
 
 
+_NATIVE: dict[ScalarFormat, np.dtype | None] = {}  # formats are few, frozen and hashable
+
+
 def native_dtype(fmt: ScalarFormat) -> np.dtype | None:
     """The dtype zarr stores natively for ``fmt``, or None when raw words are stored."""
+    try:
+        return _NATIVE[fmt]
+    except KeyError:
+        dtype = _NATIVE[fmt] = _native_dtype(fmt)
+        return dtype
+    except TypeError:  # an unhashable format: asked every time
+        return _native_dtype(fmt)
+
+
+def _native_dtype(fmt: ScalarFormat) -> np.dtype | None:
     dtype = fmt.numpy_dtype
     if dtype is None or dtype.kind not in "fiubc" or type(dtype).__module__ != "numpy.dtypes":
         return None
@@ -187,7 +202,9 @@ class ZarrTensorWriter(TensorWriter):
         self, array: Any, entry: Entry, chunks: tuple[int, ...], unit: tuple[int, ...],
         direct: DirectWriter | None = None, linker: Any = None,
         written: dict[str, Any] | None = None, array_dir: Path | None = None,
+        node: str | None = None,
     ) -> None:
+        self._node = node  # the array's name in the store, when the caller has it
         self._array = array  # a zarr.Array, or (direct metadata) the document to write at close
         self._linker = linker  # incremental steps, compressed arrays: link equal files after
         self._direct = direct  # whole shard files written without zarr's copies
@@ -208,7 +225,7 @@ class ZarrTensorWriter(TensorWriter):
         elif self._pairs:
             region = region + (slice(0, 2),)
         if self._direct is not None:
-            self._direct.write(region, data)
+            self._direct.write(region, data, crc)
         else:
             self._array[region] = data
             if self._linker is not None:
@@ -222,14 +239,35 @@ class ZarrTensorWriter(TensorWriter):
             doc = {**self._array, "attributes": {**self._array["attributes"], **_plain(attrs)}}
             assert self._array_dir is not None
             text = encoded_document(doc)  # encoded once: this file, and the root's copy
-            self._array_dir.mkdir(exist_ok=True)
-            (self._array_dir / "zarr.json").write_bytes(text.encode())
+            folder = os.fspath(self._array_dir)
+            if self._direct is None or not self._direct.made_folders:
+                make_dirs(folder)
+            fd = os.open(f"{folder}/zarr.json", _O_CREATE, 0o666)
+            try:
+                write_all(fd, [text.encode()])
+            finally:
+                os.close(fd)
             if self._written is not None:
-                self._written[node_name(self.entry.name)] = text
+                self._written[self._node or node_name(self.entry.name)] = text
             return
         self._array.attrs.update(_plain(attrs))
         if self._written is not None:
             self._written[node_name(self.entry.name)] = metadata_document(self._array)
+
+
+class _RecordedCrcs:
+    """The CRC-32C of each chunk's words, by chunk number, as a direct reader recorded them
+    when it read the chunk (a chunk not read yet has none: an error, never a guess)."""
+
+    def __init__(self, node: str, crcs: dict[int, int | None]) -> None:
+        self._node = node
+        self._crcs = crcs
+
+    def __getitem__(self, number: int) -> int:
+        crc = self._crcs.get(int(number))
+        if crc is None:
+            raise IntegrityError(f"tensor {self._node!r}: chunk {number} has no checked CRC")
+        return crc
 
 
 def _plain(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -285,9 +323,10 @@ class ZarrWriter(StoreWriter):
                 array_dir = self._direct_root / node
                 linker = linker_for(array_dir, node, doc)  # incremental steps only
                 writer = DirectWriter(array_dir, doc, chunks, shards, dtype.itemsize, linker,
-                                      self._blosc_queue() if compressor is not None else None)
+                                      self._blosc_queue() if compressor is not None else None,
+                                      plain=compressor is None)
                 return ZarrTensorWriter(doc, entry, chunks, shards or chunks, writer,
-                                        written=self._written, array_dir=array_dir)
+                                        written=self._written, array_dir=array_dir, node=node)
         array = self._group.create_array(
             node,
             shape=shape,
@@ -371,7 +410,7 @@ class ZarrReader(StoreReader):
             if replaced:  # what was read may mix two checkpoints: say so, not "corrupt"
                 raise CheckpointReplacedError(self._where, "while it was being opened") from None
             raise
-        self._arrays: dict[str, zarr.Array] = {}
+        self._arrays: dict[str, zarr.Array | PlainArray] = {}
         self._direct: dict[str, DirectReader | None] = {}
         self._frames = threading.local()  # compressed chunks' scratch, shared by the arrays
         self._consistent: set[str] = set()
@@ -382,9 +421,31 @@ class ZarrReader(StoreReader):
     def _open(self, source: Any) -> None:
         # one walk of a local store, before zarr reads anything: no symlinks, bounded metadata
         self._tree = scan_local_zarr(self._root) if self._root is not None else None
+        self._source = source
+        self._copies: dict[str, Any] | None = None
+        self._members: dict[str, zarr.Array] | None = None
+        self._plain: dict[str, PlainArray] | None = None
+        self._group_handle: zarr.Group | None = None
+        root_doc: Any = None
+        pinned = isinstance(self._watch, PinnedRoot) and self._tree is not None
+        if pinned and "zarr.json" in self._tree.files:  # type: ignore[union-attr]
+            assert isinstance(self._watch, PinnedRoot)
+            try:
+                root_doc = read_json_at(self._watch.fd, "zarr.json")
+            except IntegrityError:
+                root_doc = None  # zarr's open below reports it
+            # lean_store's own layout, consolidated: every array described from the root
+            # document read once through the pinned directory, without zarr's objects
+            self._plain = plain_members(plain_root(root_doc))
+            if self._plain is not None:
+                self.root_attrs = dict(root_doc["attributes"])
+                self._copies = root_doc["consolidated_metadata"]["metadata"]
+                return
+        if self._tree is not None and root_doc is None and "zarr.json" in self._tree.files:
+            check_zarr_document(self._tree.root, "zarr.json")  # before zarr parses it
         try:
-            self._group = zarr.open_group(store=source, mode="r", zarr_format=3)
-            self.root_attrs = dict(self._group.attrs)
+            self._group_handle = zarr.open_group(store=source, mode="r", zarr_format=3)
+            self.root_attrs = dict(self._group_handle.attrs)
         except Exception as exc:  # zarr raises many types for malformed stores
             raise IntegrityError(f"{source}: not a readable Zarr v3 group ({exc})") from None
         if self._root is None:
@@ -392,14 +453,14 @@ class ZarrReader(StoreReader):
         # a local store with consolidated metadata: every array is described from the root
         # document read once (no zarr.json per array read when the store opens); each array's
         # own zarr.json is compared with its copy there when that tensor is first read
-        self._copies: dict[str, Any] | None = None
-        self._members: dict[str, zarr.Array] | None = None
         if self._tree is not None and self._group.metadata.consolidated_metadata is None:
             for key in self._tree.files:  # zarr parses every array's own document: bound them
                 if key.endswith("/zarr.json"):
                     check_zarr_document(self._tree.root, key)
-        elif isinstance(self._watch, PinnedRoot) and self._tree is not None:
-            root_doc = read_json_at(self._watch.fd, "zarr.json")
+        elif pinned:
+            if root_doc is None:
+                assert isinstance(self._watch, PinnedRoot)
+                root_doc = read_json_at(self._watch.fd, "zarr.json")
             attrs = root_doc.get("attributes") if isinstance(root_doc, dict) else None
             if not isinstance(attrs, dict) or attrs.get("save_id") != self.root_attrs.get(
                     "save_id"):  # the path now names another save than the directory pinned
@@ -411,6 +472,18 @@ class ZarrReader(StoreReader):
                     self._members = dict(self._group.arrays())
                 except Exception as exc:
                     raise IntegrityError(f"unreadable consolidated metadata ({exc})") from None
+
+    @property
+    def _group(self) -> zarr.Group:
+        """The store as a zarr group; a store described from its root document alone
+        (:mod:`.plain`) opens it only when an array outside that description is asked for."""
+        if self._group_handle is None:
+            try:
+                self._group_handle = zarr.open_group(store=self._source, mode="r", zarr_format=3)
+            except Exception as exc:
+                raise IntegrityError(
+                    f"{self._source}: not a readable Zarr v3 group ({exc})") from None
+        return self._group_handle
 
     def _replaced(self) -> bool:
         return self._watch is not None and self._watch.replaced()
@@ -440,13 +513,15 @@ class ZarrReader(StoreReader):
             self._watch.close()
 
     def nodes(self) -> list[str]:
+        if self._plain is not None:
+            return sorted(self._plain)
         try:
             names = sorted(name for name, _ in self._group.arrays())
         except Exception as exc:
             raise IntegrityError(f"unreadable Zarr group listing ({exc})") from None
         return names
 
-    def _array(self, node: str) -> zarr.Array:
+    def _array(self, node: str) -> zarr.Array | PlainArray:
         array = self._arrays.get(node)
         if array is None:
             check_zarr_key(node)
@@ -460,30 +535,37 @@ class ZarrReader(StoreReader):
                 try:  # the array's own zarr.json, whatever the consolidated metadata says
                     array = zarr.open_array(store=self._group.store, path=node, mode="r",
                                             zarr_format=3)
+                except IntegrityError:
+                    raise
                 except Exception as exc:
                     raise IntegrityError(
                         f"array {node!r} is missing or unreadable ({exc})") from None
-            if not isinstance(array, zarr.Array):
-                raise IntegrityError(f"{node!r} is not an array")
-            check_zarr_array(node, array)
+            if not isinstance(array, PlainArray):  # plain ones were bounded when described
+                if not isinstance(array, zarr.Array):
+                    raise IntegrityError(f"{node!r} is not an array")
+                check_zarr_array(node, array)
             if self._tree is not None:
                 check_zarr_present(node, array, self._tree)
             self._arrays[node] = array
         return array
 
-    def _member(self, node: str) -> zarr.Array | None:
+    def _member(self, node: str) -> zarr.Array | PlainArray | None:
         """``node`` as described by the consolidated metadata (no read), when the store is
         local and its root has a copy of ``node``'s metadata; else None."""
+        if self._plain is not None:
+            return self._plain.get(node)
         if self._copies is None or self._members is None or node not in self._copies:
             return None
         return self._members.get(node)
 
-    def _check_own_document(self, node: str, array: zarr.Array) -> None:
+    def _check_own_document(self, node: str, array: zarr.Array | PlainArray) -> None:
         """The array's own ``zarr.json`` (what zarr-python, TensorStore and h5-style tools read
         without consolidated metadata) must equal its copy in the root, attributes included:
         lean_store described the array from the copy."""
-        if self._copies is not None and node in self._copies and self._members is not None \
-                and self._members.get(node) is array:
+        described = isinstance(array, PlainArray) or (
+            self._copies is not None and self._members is not None
+            and self._members.get(node) is array)
+        if described and self._copies is not None and node in self._copies:
             assert isinstance(self._watch, PinnedRoot)
             own = read_json_at(self._watch.fd, f"{node}/zarr.json")
             if own != self._copies[node]:
@@ -491,6 +573,8 @@ class ZarrReader(StoreReader):
                     f"{node!r}: {node}/zarr.json disagrees with its copy in the consolidated "
                     "metadata of the root zarr.json; the store was altered after it was written"
                 )
+        elif isinstance(array, PlainArray):  # pragma: no cover - described from a copy
+            raise IntegrityError(f"{node!r}: no consolidated copy of its metadata")
         else:
             check_consolidated(node, array, self._group)
 
@@ -507,8 +591,7 @@ class ZarrReader(StoreReader):
 
     def stored(self, node: str) -> StoredTensor:
         array = self._array(node)
-        meta = array.metadata
-        filters = [type(c).__name__ for c in getattr(meta, "codecs", ())]
+        outer, _inner = array_codec_names(array)
         return StoredTensor(
             node=node,
             attrs=dict(array.attrs),
@@ -517,7 +600,7 @@ class ZarrReader(StoreReader):
             storage="zarr",
             itemsize=array.dtype.itemsize,
             nbytes_on_disk=None,
-            filters=filters,
+            filters=outer,
         )
 
     def type_mismatch(self, node: str, fmt: ScalarFormat) -> str | None:
@@ -528,7 +611,7 @@ class ZarrReader(StoreReader):
 
     def describe(self, node: str) -> StorageDescription:
         array = self._array(node)
-        outer, inner = codec_names(array.metadata)
+        outer, inner = array_codec_names(array)
         codecs = outer if inner is outer else [*outer, *inner]
         under = self._tree.under(node) if self._tree is not None else None
         return StorageDescription(
@@ -588,6 +671,8 @@ class ZarrReader(StoreReader):
                 out[...] = into
                 return out, True
             return into, True
+        if isinstance(array, PlainArray):  # pragma: no cover - always read directly
+            raise IntegrityError(f"tensor {node!r}: not readable from its files")
         if self._tree is None:  # other stores: the chunks this read touches must exist
             check_zarr_keys_exist(node, array, touched_keys(node, array, selection))
         try:
@@ -600,13 +685,58 @@ class ZarrReader(StoreReader):
             return out, False
         return words, False
 
-    def _direct_reader(self, node: str, array: zarr.Array) -> DirectReader | None:
+    def chunk_crcs(self, node: str) -> Any:
+        """For an array of the direct layout read whole chunk by chunk: the CRC-32C of each
+        chunk's words, recorded as the direct reader checks (or, read unchecked, will check)
+        that chunk against the CRC stored with it, looked up after the chunk is read (so a
+        whole-tensor digest follows from the chunks' CRCs instead of a second pass over the
+        data). None for every other array."""
+        array = self._array(node)
+        if not isinstance(array, PlainArray):
+            return None
+        direct = self._direct_reader(node, array)
+        if direct is None or not direct.words_crc_ok():
+            return None
+        return _RecordedCrcs(node, direct.word_crcs)
+
+    def read_unchecked(
+        self, node: str, selection: Selection, fmt: ScalarFormat, out: np.ndarray
+    ) -> np.ndarray:
+        """A whole full chunk of an array of the direct layout read without its CRC-32C check
+        (:meth:`check_chunk` does it, meanwhile the next chunk is read); any other read is
+        checked here, as :meth:`read`."""
+        array = self._array(node)
+        direct = self._direct_reader(node, array) if isinstance(array, PlainArray) else None
+        if direct is not None and not self._closed and out.flags.c_contiguous \
+                and all(s == 1 for s in selection.step):
+            if node not in self._consistent:  # before any data, as a read
+                self.check_metadata(node)
+            if direct.read_unchecked(selection.start, out):
+                return out
+        return self.read(node, selection, fmt, out)
+
+    def check_chunk(self, node: str, number: int, words: np.ndarray) -> None:
+        if self._closed:  # its reader (and what it was to check against) is gone
+            raise CheckpointError(f"{self._where}: the checkpoint was closed")
+        direct = self._direct.get(node)
+        if direct is not None:
+            try:
+                direct.check_chunk(number, words)
+            except IntegrityError:
+                self.check_current()  # a file of the opened tree deleted by a save: not damage
+                raise
+
+    def _direct_reader(self, node: str, array: zarr.Array | PlainArray
+                       ) -> DirectReader | None:
         if node not in self._direct:
             root = self._watch if isinstance(self._watch, PinnedRoot) else None
             # described from the root's copy of its document (equal to its own zarr.json,
             # checked before any data): no re-encoding of zarr's metadata objects
-            doc = self._copies.get(node) if self._copies is not None and \
-                self._members is not None and self._members.get(node) is array else None
+            if isinstance(array, PlainArray):
+                doc: dict[str, Any] | None = array.document
+            else:
+                doc = self._copies.get(node) if self._copies is not None and \
+                    self._members is not None and self._members.get(node) is array else None
             ok = root is not None and self._tree is not None and direct_read_ok(array, doc)
             self._direct[node] = (DirectReader(root.fd, node, array, doc, self._frames)
                                   if ok and root is not None else None)

@@ -11,18 +11,17 @@ import numpy as np
 
 from ..base import ChunkProblem
 from . import shard_index
-from .checks import LocalTree, codec_names, zarr_chunk_keys, zarr_grid
+from .checks import LocalTree, array_codec_names, zarr_chunk_keys, zarr_grid
 from .compat import plain_codecs, sharding_document
 
 
 def structure_problems(node: str, array: Any, tree: LocalTree | None) -> list[ChunkProblem]:
     """Structural defects of ``array`` (``tree``: the walk of a local store, else None)."""
-    _outer, inner = codec_names(array.metadata)
+    _outer, inner = array_codec_names(array)
     problems: list[ChunkProblem] = []
     if "Crc32cCodec" not in inner:
         problems.append((None, "no per-chunk checksum (crc32c codec missing)"))
-    sharding = [c for c in array.metadata.codecs if type(c).__name__ == "ShardingCodec"]
-    if sharding and tree is not None and math.prod(array.shape):
+    if sharding_document(array) is not None and tree is not None and math.prod(array.shape):
         problems.extend(_shard_index_problems(node, array, tree))
     return problems
 
