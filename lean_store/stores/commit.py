@@ -4,7 +4,8 @@ A writer asks for a commit, writes into :attr:`Commit.work`, then calls :meth:`C
 (or :meth:`Commit.abort`; leaving a ``with`` block without committing aborts). Two kinds:
 
 - :meth:`Commit.local`: ``work`` is a hidden temporary sibling ``.NAME.lean_store-tmp-<hex>``
-  (a file, or a directory tree). The commit fsyncs every file and directory of it, checks once
+  (a file, or a directory tree). The commit makes every file and directory of it durable
+  (fsyncs, or for a tree one ``syncfs`` where that reports write errors), checks once
   more what the target holds (:mod:`lean_store.stores.target`), moves it into place atomically
   (files: one ``rename``; directories: one ``renameat2(RENAME_EXCHANGE)``, then the old tree,
   swapped out to the temporary name, is removed), and fsyncs the parent directory. A crash at
@@ -120,6 +121,8 @@ class LocalCommit(Commit):
         self.work_path = path.with_name(f".{path.name}.lean_store-tmp-{uuid.uuid4().hex}")
         self.work = str(self.work_path)
         self._aborted = False
+        # a tree: made durable by one syncfs that also reports any write error since now
+        self._sync = fs_sync.open_sync_point(path.parent) if directory else None
 
     def _check(self) -> None:
         if self.kind is None:
@@ -138,18 +141,23 @@ class LocalCommit(Commit):
             raise CheckpointError(f"the save to {self.target} was already "
                                   f"{'committed' if self.committed else 'aborted'}")
         try:
-            fsync_tree(self.work_path)
+            fsync_tree(self.work_path, self._sync)
             _publish(self.work_path, self.target, self._check)
         except OSError as exc:
             if not refused_by_os(exc):
                 raise
             raise SaveIOError.wrapping(self.target, exc) from exc
+        finally:
+            if self._sync is not None:
+                self._sync.close()
         self.committed = True
 
     def abort(self) -> None:
         if self.committed:
             return
         self._aborted = True
+        if self._sync is not None:
+            self._sync.close()
         discard_temporary(self.work_path)
 
 
@@ -239,27 +247,31 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def fsync_tree(path: Path) -> None:
-    """fsync a file, or every file and directory of a tree. In a tree, a file with more than
-    one name is skipped: lean_store writes each file of a new tree once, under one name, so a
-    second name is an incremental step's hard link to a committed checkpoint's file, whose
-    data was made durable when that checkpoint was committed; the new name itself is made
-    durable with the directories. The directories' entries are made durable by one
-    ``syncfs`` where the platform has it (one journal commit instead of one per directory;
-    :mod:`.fs_sync`), else by an fsync of each directory."""
-    if path.is_dir():
-        dirs = []
-        for root, _dirs, files in os.walk(path):
-            for name in files:
-                file = os.path.join(root, name)
-                if os.lstat(file).st_nlink == 1:
-                    _fsync(Path(file))
-            dirs.append(Path(root))
-        if not fs_sync.syncfs(path):
-            for directory in dirs:
-                _fsync_dir(directory)
-    else:
+def fsync_tree(path: Path, sync: fs_sync.SyncPoint | None = None) -> None:
+    """fsync a file, or every file and directory of a tree. ``sync``: a
+    :class:`~.fs_sync.SyncPoint` opened before the tree was written; then one ``syncfs``
+    makes all of it durable and reports any write error (one journal commit for the whole
+    tree). Else each file is fsynced, except a file with more than one name: lean_store
+    writes each file of a new tree once, under one name, so a second name is an incremental
+    step's hard link to a committed checkpoint's file, whose data was made durable when that
+    checkpoint was committed; and the directories' entries are made durable by one ``syncfs``
+    where the platform has it (:mod:`.fs_sync`), else by an fsync of each directory."""
+    if not path.is_dir():
         _fsync(path)
+        return
+    if sync is not None:
+        sync.sync()
+        return
+    dirs = []
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            file = os.path.join(root, name)
+            if os.lstat(file).st_nlink == 1:
+                _fsync(Path(file))
+        dirs.append(Path(root))
+    if not fs_sync.syncfs(path):
+        for directory in dirs:
+            _fsync_dir(directory)
 
 
 def _fsync(path: Path) -> None:
