@@ -123,10 +123,13 @@ class DirectWriter:
         self._chunk_nbytes = math.prod(chunks) * itemsize
         self._made: set[Path] = set()
 
-    def write(self, region: Region, data: np.ndarray) -> None:
+    def write(self, region: Region, data: np.ndarray, crc: Any = None) -> None:
         """Write the file of the shard (or chunk) whose clipped region is ``region``;
         ``data`` holds its C-contiguous little-endian bytes. A compressed chunk file of an
-        unsharded array may be written later (its bytes copied first), by the queue."""
+        unsharded array may be written later (its bytes copied first), by the queue.
+        ``crc``: the CRC-32C of ``data`` when the caller has it (an int, or a callable giving
+        it once computed): an unsharded uncompressed chunk then takes it instead of a second
+        pass over its bytes."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         unit = self._shards or self._chunks
         key = chunk_key(self._array, tuple(s.start // u for s, u in zip(region, unit)))
@@ -141,7 +144,12 @@ class DirectWriter:
                 self._queue.submit(lambda pieces: self._put(path, key, pieces),
                                    self._chunk_pieces, flat.copy())
                 return
-            pieces += self._chunk_pieces(flat)
+            if self._blosc is None and crc is not None:
+                pad = self._chunk_nbytes - flat.size  # an edge chunk: zarr pads it with 0
+                pieces += [flat, np.zeros(pad, np.uint8), self._crc_piece(pad, crc)] if pad \
+                    else [flat, self._crc_piece(0, crc)]
+            else:
+                pieces += self._chunk_pieces(flat)
         else:
             size = self._chunk_nbytes
             per_shard = math.prod(s // c for s, c in zip(self._shards, self._chunks))
@@ -157,13 +165,27 @@ class DirectWriter:
             pieces += shard_index.encode(index)
         self._put(path, key, pieces)
 
+    @staticmethod
+    def _crc_piece(pad: int, crc: Any) -> Any:
+        """The stored CRC-32C word of a chunk whose bytes have the CRC ``crc`` (an int, or a
+        callable giving it) before ``pad`` zero bytes of padding; a callable piece while
+        ``crc`` is still being computed (resolved once the chunk's bytes are out)."""
+
+        def word() -> bytes:
+            value = crc() if callable(crc) else crc
+            if pad:
+                value = google_crc32c.extend(value, bytes(pad))
+            return int(value).to_bytes(4, "little")
+
+        return word if callable(crc) else word()
+
     def _put(self, path: Path, key: str, pieces: list[Any]) -> None:
         if self._linker is not None:
             self._linker.link_or_write(path, key, pieces)
             return
         with open(path, "wb") as f:
             for piece in pieces:
-                f.write(piece)
+                f.write(piece() if callable(piece) else piece)
 
     def _encoded(self, parts: list[np.ndarray]) -> list[list[Any]]:
         """Each chunk's stored pieces; Blosc chunks of a shard compressed on the pool."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,7 +39,6 @@ from typing import Any
 
 import numpy as np
 
-_COMPARE_BLOCK = 1 << 22  # bytes compared per read
 _CRC_BYTES = 4
 
 
@@ -121,18 +121,19 @@ class UnitLinker:
 
     def link_or_write(self, path: Path, key: str, pieces: list[Any]) -> None:
         """Create ``path`` (absent) holding ``pieces`` in order: as a hard link to the base's
-        file at ``key`` when that holds exactly these bytes, else by writing them."""
-        views = [memoryview(p).cast("B") for p in pieces]
-        size = sum(v.nbytes for v in views)
+        file at ``key`` when that holds exactly these bytes, else by writing them. A piece
+        may be a callable giving its bytes (a chunk's CRC-32C word still being computed on
+        another core): it is called only after the other pieces are compared or written."""
         base = self._base_file(key)
-        if base is not None and _same_bytes(base, views, size):
+        if base is not None and _same_bytes(base, pieces):
             os.link(base, path)
             self.stats.linked_files += 1
-            self.stats.linked_bytes += size
+            self.stats.linked_bytes += sum(_size(p) for p in pieces)
             return
+        size = 0
         with open(path, "xb") as f:  # never into an existing file (it may be a link)
-            for view in views:
-                f.write(view)
+            for piece in pieces:
+                size += f.write(piece() if callable(piece) else piece)
         self.stats.written_files += 1
         self.stats.written_bytes += size
 
@@ -144,8 +145,7 @@ class UnitLinker:
         base = self._base_file(key)
         if base is not None and size >= _CRC_BYTES:
             data = np.fromfile(path, dtype=np.uint8)
-            views = [data[: size - _CRC_BYTES].data, data[size - _CRC_BYTES:].data]
-            if _same_bytes(base, views, size):
+            if _same_bytes(base, [data[: size - _CRC_BYTES], data[size - _CRC_BYTES:]]):
                 tmp = path.with_name(f".{path.name}.link")
                 os.link(base, tmp)
                 os.replace(tmp, path)
@@ -169,47 +169,68 @@ def _libc_memcmp() -> Any:
 _MEMCMP = _libc_memcmp()
 
 
-def _equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Two contiguous uint8 arrays of one size hold the same bytes (memcmp: no temporary)."""
+def _equal_at(address: int, want: np.ndarray) -> bool:
+    """The ``want.size`` bytes at ``address`` equal the contiguous uint8 array ``want``
+    (memcmp: no temporary)."""
     if _MEMCMP is None:  # pragma: no cover
-        return bool(np.array_equal(a, b))
-    return _MEMCMP(a.ctypes.data, b.ctypes.data, a.size) == 0
+        return bytes((ctypes.c_char * want.size).from_address(address)) == want.tobytes()
+    return _MEMCMP(address, want.ctypes.data, want.size) == 0
 
 
-def _same_bytes(base: Path, views: list[memoryview], size: int) -> bool:
-    """True when the file ``base`` holds exactly ``views`` concatenated. The CRC-32C words
-    (pieces of 4 bytes: each chunk's crc32c, the shard index's) are compared first, so a
-    changed unit costs a few small reads; then every byte."""
+def _size(piece: Any) -> int:
+    return _CRC_BYTES if callable(piece) else memoryview(piece).nbytes
+
+
+def _same_bytes(base: Path, pieces: list[Any]) -> bool:
+    """True when the file ``base`` holds exactly ``pieces`` concatenated (a callable piece:
+    a CRC-32C word still being computed). The CRC-32C words already known (pieces of 4
+    bytes: each chunk's crc32c, the shard index's) are compared first, so a changed unit
+    costs a few small reads; then every byte, against the file mapped into memory (no copy:
+    a changed chunk stops at its first differing page); the words being computed last."""
     try:
         fd = os.open(base, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return False
     try:
-        if os.fstat(fd).st_size != size:
-            return False
+        size = os.fstat(fd).st_size
         offsets, at = [], 0
-        for view in views:
+        for piece in pieces:
             offsets.append(at)
-            at += view.nbytes
-        small = [(o, v) for o, v in zip(offsets, views) if v.nbytes == _CRC_BYTES]
-        for offset, view in small:
-            if os.pread(fd, _CRC_BYTES, offset) != view.tobytes():
+            at += _size(piece)
+        if at != size:
+            return False
+        for offset, piece in zip(offsets, pieces):
+            if not callable(piece) and _size(piece) == _CRC_BYTES \
+                    and os.pread(fd, _CRC_BYTES, offset) != bytes(piece):
                 return False
-        buf = np.empty(min(_COMPARE_BLOCK, size) or 1, np.uint8)
-        for offset, view in zip(offsets, views):
-            if view.nbytes == _CRC_BYTES:
-                continue
-            want = np.frombuffer(view, np.uint8)
-            for start in range(0, want.size, buf.size):
-                part = want[start: start + buf.size]
-                got = os.preadv(fd, [buf[: part.size]], offset + start)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
-                if got != part.size or not _equal(buf[: part.size], part):
+        # lean_store never writes into a committed step's file: its size cannot change
+        # while it is compared
+        mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        try:
+            address = _address(mapping)
+            for offset, piece in zip(offsets, pieces):
+                if callable(piece) or _size(piece) == _CRC_BYTES:
+                    continue
+                want = np.frombuffer(memoryview(piece).cast("B"), np.uint8)
+                if not _equal_at(address + offset, want):
                     return False
-        return True
-    except OSError:
+            return all(mapping[o: o + _CRC_BYTES] == p() for o, p in zip(offsets, pieces)
+                       if callable(p))
+        finally:
+            mapping.close()
+    except (OSError, ValueError):
         return False
     finally:
         os.close(fd)
+
+
+def _address(mapping: mmap.mmap) -> int:
+    """Where ``mapping``'s bytes start in memory (valid until it is closed)."""
+    view = np.frombuffer(mapping, np.uint8)
+    try:
+        return int(view.ctypes.data)
+    finally:
+        del view  # no export left: the mapping can be closed
 
 
 __all__ = ["IncrementalStats", "UnitLinker", "linker_for", "linking_from"]

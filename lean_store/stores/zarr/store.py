@@ -208,7 +208,7 @@ class ZarrTensorWriter(TensorWriter):
         elif self._pairs:
             region = region + (slice(0, 2),)
         if self._direct is not None:
-            self._direct.write(region, data)
+            self._direct.write(region, data, crc)
         else:
             self._array[region] = data
             if self._linker is not None:

@@ -1,0 +1,78 @@
+"""How an incremental step decides a unit file is unchanged: the CRC-32C words, then every
+byte against the base's file (mapped, not copied); a chunk's CRC comes from the save's own
+pass over its bytes (no second pass in the Zarr writer)."""
+
+from __future__ import annotations
+
+import os
+
+import google_crc32c
+import numpy as np
+import pytest
+import zarr
+
+import lean_store as ls
+from lean_store.stores.zarr import direct_write
+from lean_store.stores.zarr.incremental import IncrementalStats, UnitLinker
+
+
+def _word(data: bytes) -> bytes:
+    return int(google_crc32c.value(data)).to_bytes(4, "little")
+
+
+@pytest.fixture
+def linker(tmp_path):
+    base, new = tmp_path / "base", tmp_path / "new"
+    base.mkdir()
+    new.mkdir()
+    data = bytes(range(256)) * 64
+    (base / "c0").write_bytes(data + _word(data))
+    return UnitLinker(base, new, IncrementalStats()), data
+
+
+def test_equal_bytes_are_linked_with_a_crc_still_being_computed(linker, tmp_path):
+    unit, data = linker
+    calls = []
+    unit.link_or_write(tmp_path / "new" / "c0", "c0",
+                       [np.frombuffer(data, np.uint8), lambda: (calls.append(1), _word(data))[1]])
+    assert os.path.samefile(tmp_path / "new" / "c0", tmp_path / "base" / "c0")
+    assert calls and unit.stats.linked_files == 1 and unit.stats.written_files == 0
+
+
+def test_same_crc_word_different_bytes_is_written_not_linked(linker, tmp_path):
+    """A CRC match alone never links: the bytes are compared too (as after a collision)."""
+    unit, data = linker
+    changed = bytearray(data)
+    changed[5000] ^= 1
+    unit.link_or_write(tmp_path / "new" / "c0", "c0", [bytes(changed), _word(data)])
+    path = tmp_path / "new" / "c0"
+    assert not os.path.samefile(path, tmp_path / "base" / "c0")
+    assert path.read_bytes() == bytes(changed) + _word(data)
+    assert unit.stats.written_files == 1 and unit.stats.linked_files == 0
+
+
+def test_a_changed_crc_word_from_a_callable_is_written(linker, tmp_path):
+    unit, data = linker
+    unit.link_or_write(tmp_path / "new" / "c0", "c0", [data, lambda: b"\0\0\0\0"])
+    assert (tmp_path / "new" / "c0").read_bytes() == data + b"\0\0\0\0"
+    assert unit.stats.written_files == 1
+
+
+def test_a_base_file_of_another_size_is_not_compared(linker, tmp_path):
+    unit, data = linker
+    unit.link_or_write(tmp_path / "new" / "c0", "c0", [data[:-1], _word(data[:-1])])
+    assert unit.stats.written_files == 1
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (67, 256)])  # aligned, and an edge chunk
+def test_zarr_chunks_take_the_save_crc_instead_of_a_second_pass(tmp_path, monkeypatch, shape):
+    passes = []
+    real = direct_write._crc_bytes
+    monkeypatch.setattr(direct_write, "_crc_bytes", lambda d: (passes.append(1), real(d))[1])
+    w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    path = tmp_path / "w.zarr"
+    ls.save({"w": w}, path, chunk_bytes=16 << 10)  # 16 rows a chunk, unsharded
+    assert passes == []
+    np.testing.assert_array_equal(ls.load_state(path)["w"], w)  # every chunk CRC-checked
+    assert ls.verify(path).ok
+    np.testing.assert_array_equal(zarr.open_group(str(path), mode="r")["w"][...], w)
