@@ -101,6 +101,15 @@ def write_source(
                 continue
             # one pass: the unit's CRC, combined into the digest; large units have it computed
             # on another core while the store writes them (crc32c releases the GIL)
+            if sink.defers_crc and bits.nbytes >= OVERLAP_CRC_BYTES:
+                lazy = _LazyCRC(crc_pool, bits)
+                try:
+                    known = sink.write(region, bits, lazy)
+                finally:  # the CRC reads ``bits``: done before its buffer can be reused
+                    unit_crc = lazy() if known is None else known
+                crc = crc32c_combine(crc, unit_crc, bits.nbytes)
+                bar.advance(bits.nbytes)
+                continue
             pending = None
             if bits.nbytes >= OVERLAP_CRC_BYTES:
                 try:
@@ -119,6 +128,23 @@ def write_source(
             bar.advance(bits.nbytes)
         writer.commit(root_attrs(layout, kind, extra_root))
     return layout
+
+
+class _LazyCRC:
+    """The CRC-32C of ``bits``, computed on the CRC workers only once asked for."""
+
+    def __init__(self, pool: ThreadPoolExecutor, bits: Any) -> None:
+        self._pool = pool
+        self._bits = bits
+        self._value: int | None = None
+
+    def __call__(self) -> int:
+        if self._value is None:
+            try:
+                self._value = self._pool.submit(crc32c_of, self._bits).result()
+            except RuntimeError:  # pools refuse work once interpreter shutdown has begun
+                self._value = crc32c_of(self._bits)
+        return self._value
 
 
 def storage_name(entry: Entry, backend: str) -> str:

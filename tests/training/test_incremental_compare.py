@@ -1,6 +1,7 @@
 """How an incremental step decides a unit file is unchanged: the CRC-32C words, then every
 byte against the base's file (mapped, not copied); a chunk's CRC comes from the save's own
-pass over its bytes (no second pass in the Zarr writer)."""
+pass over its bytes (no second pass in the Zarr writer), or, for a chunk linked to an equal
+file, from that file (no pass at all)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,16 @@ def linker(tmp_path):
     return UnitLinker(base, new, IncrementalStats()), data
 
 
-def test_equal_bytes_are_linked_with_a_crc_still_being_computed(linker, tmp_path):
+def test_equal_bytes_are_linked_without_computing_their_crc(linker, tmp_path):
+    """A chunk whose bytes equal the base file's takes the base's CRC word (the CRC of those
+    bytes) instead of a pass over them: the callable is never called."""
     unit, data = linker
     calls = []
-    unit.link_or_write(tmp_path / "new" / "c0", "c0",
-                       [np.frombuffer(data, np.uint8), lambda: (calls.append(1), _word(data))[1]])
+    word = unit.link_or_write(tmp_path / "new" / "c0", "c0", [
+        np.frombuffer(data, np.uint8), lambda: (calls.append(1), _word(data))[1]])
     assert os.path.samefile(tmp_path / "new" / "c0", tmp_path / "base" / "c0")
-    assert calls and unit.stats.linked_files == 1 and unit.stats.written_files == 0
+    assert word == _word(data) and not calls
+    assert unit.stats.linked_files == 1 and unit.stats.written_files == 0
 
 
 def test_same_crc_word_different_bytes_is_written_not_linked(linker, tmp_path):
@@ -51,10 +55,12 @@ def test_same_crc_word_different_bytes_is_written_not_linked(linker, tmp_path):
     assert unit.stats.written_files == 1 and unit.stats.linked_files == 0
 
 
-def test_a_changed_crc_word_from_a_callable_is_written(linker, tmp_path):
+def test_changed_bytes_with_a_lazy_crc_are_written_with_it(linker, tmp_path):
     unit, data = linker
-    unit.link_or_write(tmp_path / "new" / "c0", "c0", [data, lambda: b"\0\0\0\0"])
-    assert (tmp_path / "new" / "c0").read_bytes() == data + b"\0\0\0\0"
+    changed = bytes([data[0] ^ 1]) + data[1:]
+    assert unit.link_or_write(tmp_path / "new" / "c0", "c0",
+                              [changed, lambda: _word(changed)]) is None
+    assert (tmp_path / "new" / "c0").read_bytes() == changed + _word(changed)
     assert unit.stats.written_files == 1
 
 
@@ -76,3 +82,32 @@ def test_zarr_chunks_take_the_save_crc_instead_of_a_second_pass(tmp_path, monkey
     np.testing.assert_array_equal(ls.load_state(path)["w"], w)  # every chunk CRC-checked
     assert ls.verify(path).ok
     np.testing.assert_array_equal(zarr.open_group(str(path), mode="r")["w"][...], w)
+
+
+def test_incremental_step_skips_the_crc_pass_of_linked_chunks(tmp_path, monkeypatch):
+    """Only the changed chunks' bytes are CRC'd in an incremental step; every step still
+    verifies (each chunk's CRC and the tensors' digests) and loads exactly."""
+    from torch_optional import require_torch
+
+    from lean_store import writing
+
+    torch = require_torch()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    ck = ls.Checkpointer(tmp_path / "run", backend="zarr", incremental=True)
+    ck.save(0, model=model, rng=False)
+    with torch.no_grad():
+        model[1].weight.add_(1.0)
+    passes: list[int] = []
+    real = writing.crc32c_of
+    monkeypatch.setattr(writing, "crc32c_of", lambda b, *a: (passes.append(b.nbytes),
+                                                             real(b, *a))[1])
+    path = ck.save(1, model=model, rng=False)
+    monkeypatch.undo()
+    weight = 1024 * 1024 * 4
+    assert ck.last_save_stats.linked_bytes >= weight  # the unchanged first layer
+    assert sum(n for n in passes if n >= 1 << 20) == weight  # only the changed layer's chunks
+    assert ls.verify(path).ok and ls.verify(ck.path(0)).ok
+    got = ls.load_state(path)
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(got[f"model/{name}"], value.numpy())

@@ -123,13 +123,21 @@ class DirectWriter:
         self._chunk_nbytes = math.prod(chunks) * itemsize
         self._made: set[Path] = set()
 
-    def write(self, region: Region, data: np.ndarray, crc: Any = None) -> None:
+    @property
+    def defers_crc(self) -> bool:
+        """An incremental step's uncompressed unsharded chunks: a chunk file linked to the
+        previous step's takes that file's CRC-32C word (its bytes compared equal) instead of
+        a pass over the chunk (:attr:`lean_store.stores.base.TensorWriter.defers_crc`)."""
+        return self._linker is not None and self._blosc is None and self._shards is None
+
+    def write(self, region: Region, data: np.ndarray, crc: Any = None) -> int | None:
         """Write the file of the shard (or chunk) whose clipped region is ``region``;
         ``data`` holds its C-contiguous little-endian bytes. A compressed chunk file of an
         unsharded array may be written later (its bytes copied first), by the queue.
         ``crc``: the CRC-32C of ``data`` when the caller has it (an int, or a callable giving
         it once computed): an unsharded uncompressed chunk then takes it instead of a second
-        pass over its bytes."""
+        pass over its bytes. Returns the chunk's CRC-32C when its file was linked to an equal
+        one of the previous step without calling ``crc`` (see :attr:`defers_crc`)."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         unit = self._shards or self._chunks
         key = chunk_key(self._array, tuple(s.start // u for s, u in zip(region, unit)))
@@ -143,11 +151,14 @@ class DirectWriter:
                     self._queue.busy() or flat.size >= INLINE_BYTES):
                 self._queue.submit(lambda pieces: self._put(path, key, pieces),
                                    self._chunk_pieces, flat.copy())
-                return
+                return None
             if self._blosc is None and crc is not None:
                 pad = self._chunk_nbytes - flat.size  # an edge chunk: zarr pads it with 0
-                pieces += [flat, np.zeros(pad, np.uint8), self._crc_piece(pad, crc)] if pad \
-                    else [flat, self._crc_piece(0, crc)]
+                if not pad:
+                    pieces += [flat, self._crc_piece(0, crc)]
+                    word = self._put(path, key, pieces)  # the base's word, for a lazy crc
+                    return None if word is None else int.from_bytes(word, "little")
+                pieces += [flat, np.zeros(pad, np.uint8), self._crc_piece(pad, crc)]
             else:
                 pieces += self._chunk_pieces(flat)
         else:
@@ -164,6 +175,7 @@ class DirectWriter:
                 pieces += chunk
             pieces += shard_index.encode(index)
         self._put(path, key, pieces)
+        return None
 
     @staticmethod
     def _crc_piece(pad: int, crc: Any) -> Any:
@@ -179,13 +191,15 @@ class DirectWriter:
 
         return word if callable(crc) else word()
 
-    def _put(self, path: Path, key: str, pieces: list[Any]) -> None:
+    def _put(self, path: Path, key: str, pieces: list[Any]) -> bytes | None:
+        """Write (or link) the unit file. Returns what the previous step's file holds in
+        place of the callable piece when the file was linked without calling it."""
         if self._linker is not None:
-            self._linker.link_or_write(path, key, pieces)
-            return
+            return self._linker.link_or_write(path, key, pieces)
         with open(path, "wb") as f:
             for piece in pieces:
                 f.write(piece() if callable(piece) else piece)
+        return None
 
     def _encoded(self, parts: list[np.ndarray]) -> list[list[Any]]:
         """Each chunk's stored pieces; Blosc chunks of a shard compressed on the pool."""

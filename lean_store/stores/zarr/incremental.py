@@ -119,23 +119,27 @@ class UnitLinker:
             return None
         return path
 
-    def link_or_write(self, path: Path, key: str, pieces: list[Any]) -> None:
+    def link_or_write(self, path: Path, key: str, pieces: list[Any]) -> bytes | None:
         """Create ``path`` (absent) holding ``pieces`` in order: as a hard link to the base's
         file at ``key`` when that holds exactly these bytes, else by writing them. A piece
-        may be a callable giving its bytes (a chunk's CRC-32C word still being computed on
-        another core): it is called only after the other pieces are compared or written."""
+        may be a callable giving its bytes (a chunk's CRC-32C word, computed only when
+        asked): it is called only if the file is written. A linked file's word at that place
+        is returned instead (the CRC of the bytes compared equal: no pass over them)."""
         base = self._base_file(key)
-        if base is not None and _same_bytes(base, pieces):
+        same, word = (False, None) if base is None else _same_bytes(base, pieces)
+        if same:
+            assert base is not None
             os.link(base, path)
             self.stats.linked_files += 1
             self.stats.linked_bytes += sum(_size(p) for p in pieces)
-            return
+            return word
         size = 0
         with open(path, "xb") as f:  # never into an existing file (it may be a link)
             for piece in pieces:
                 size += f.write(piece() if callable(piece) else piece)
         self.stats.written_files += 1
         self.stats.written_bytes += size
+        return None
 
     def link_if_same(self, key: str) -> None:
         """The unit file ``key`` was just written (by zarr, compressed): replace it with a hard
@@ -145,7 +149,7 @@ class UnitLinker:
         base = self._base_file(key)
         if base is not None and size >= _CRC_BYTES:
             data = np.fromfile(path, dtype=np.uint8)
-            if _same_bytes(base, [data[: size - _CRC_BYTES], data[size - _CRC_BYTES:]]):
+            if _same_bytes(base, [data[: size - _CRC_BYTES], data[size - _CRC_BYTES:]])[0]:
                 tmp = path.with_name(f".{path.name}.link")
                 os.link(base, tmp)
                 os.replace(tmp, path)
@@ -181,16 +185,18 @@ def _size(piece: Any) -> int:
     return _CRC_BYTES if callable(piece) else memoryview(piece).nbytes
 
 
-def _same_bytes(base: Path, pieces: list[Any]) -> bool:
-    """True when the file ``base`` holds exactly ``pieces`` concatenated (a callable piece:
-    a CRC-32C word still being computed). The CRC-32C words already known (pieces of 4
-    bytes: each chunk's crc32c, the shard index's) are compared first, so a changed unit
-    costs a few small reads; then every byte, against the file mapped into memory (no copy:
-    a changed chunk stops at its first differing page); the words being computed last."""
+def _same_bytes(base: Path, pieces: list[Any]) -> tuple[bool, bytes | None]:
+    """(whether the file ``base`` holds ``pieces`` concatenated, what it holds in place of
+    a callable piece). A callable piece is a chunk's CRC-32C word not computed yet: it is
+    never called; the file's word there is the CRC of the bytes before it, which are
+    compared with ours byte for byte. The CRC-32C words already known (pieces of 4 bytes:
+    each chunk's crc32c, the shard index's) are compared first, so a changed unit costs a
+    few small reads; then every byte, against the file mapped into memory (no copy: a
+    changed chunk stops at its first differing page)."""
     try:
         fd = os.open(base, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
-        return False
+        return False, None
     try:
         size = os.fstat(fd).st_size
         offsets, at = [], 0
@@ -198,11 +204,11 @@ def _same_bytes(base: Path, pieces: list[Any]) -> bool:
             offsets.append(at)
             at += _size(piece)
         if at != size:
-            return False
+            return False, None
         for offset, piece in zip(offsets, pieces):
             if not callable(piece) and _size(piece) == _CRC_BYTES \
                     and os.pread(fd, _CRC_BYTES, offset) != bytes(piece):
-                return False
+                return False, None
         # lean_store never writes into a committed step's file: its size cannot change
         # while it is compared
         mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
@@ -213,13 +219,13 @@ def _same_bytes(base: Path, pieces: list[Any]) -> bool:
                     continue
                 want = np.frombuffer(memoryview(piece).cast("B"), np.uint8)
                 if not _equal_at(address + offset, want):
-                    return False
-            return all(mapping[o: o + _CRC_BYTES] == p() for o, p in zip(offsets, pieces)
-                       if callable(p))
+                    return False, None
+            words = [mapping[o: o + _CRC_BYTES] for o, p in zip(offsets, pieces) if callable(p)]
+            return True, words[-1] if words else None
         finally:
             mapping.close()
     except (OSError, ValueError):
-        return False
+        return False, None
     finally:
         os.close(fd)
 
