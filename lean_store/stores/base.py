@@ -106,7 +106,7 @@ class StoreWriter(ABC):
         self.compression = compression
         # refuses a foreign target before any byte is written (and again at the commit)
         self._commit = Commit.at(path, directory=self.makes_directory,
-                                 storage_options=storage_options)
+                                 storage_options=storage_options, one_writer=True)
         self.work = self._commit.work  # where the store is written: a temporary or the URL
         self.tmp_path = Path(self.work)  # local stores: the hidden temporary sibling
         self._done = False

@@ -61,12 +61,15 @@ class Commit(ABC):
     committed: bool = False
 
     @staticmethod
-    def local(path: str | os.PathLike, *, directory: bool, kind: FileKind | None = None
-              ) -> LocalCommit:
+    def local(path: str | os.PathLike, *, directory: bool, kind: FileKind | None = None,
+              one_writer: bool = False) -> LocalCommit:
         """A commit to a local path; ``directory``: the output is a directory tree (else one
         file). ``kind``: the interop file kind that may be replaced (else only a lean_store
-        checkpoint may be, :func:`~lean_store.stores.target.check_replaceable`)."""
-        return LocalCommit(Path(path), directory=directory, kind=kind)
+        checkpoint may be, :func:`~lean_store.stores.target.check_replaceable`).
+        ``one_writer``: this process alone writes the tree (then one ``syncfs`` can make it
+        durable, :mod:`.fs_sync`; trees written by several processes, maybe on other hosts of
+        a network file system, are fsynced file by file)."""
+        return LocalCommit(Path(path), directory=directory, kind=kind, one_writer=one_writer)
 
     @staticmethod
     def url(url: str, storage_options: dict[str, Any] | None = None) -> URLCommit:
@@ -75,11 +78,11 @@ class Commit(ABC):
 
     @staticmethod
     def at(path: str | os.PathLike, *, directory: bool,
-           storage_options: dict[str, Any] | None = None) -> Commit:
+           storage_options: dict[str, Any] | None = None, one_writer: bool = False) -> Commit:
         """:meth:`url` for a URL, else :meth:`local`."""
         if is_url(path):
             return Commit.url(path, storage_options)
-        return Commit.local(path, directory=directory)
+        return Commit.local(path, directory=directory, one_writer=one_writer)
 
     def make_directory(self) -> None:  # noqa: B027 - a URL prefix needs no directory
         """Create :attr:`work` as an empty directory, for writers that write files into it
@@ -111,7 +114,8 @@ class LocalCommit(Commit):
 
     target: Path
 
-    def __init__(self, path: Path, *, directory: bool, kind: FileKind | None = None) -> None:
+    def __init__(self, path: Path, *, directory: bool, kind: FileKind | None = None,
+                 one_writer: bool = False) -> None:
         self.target = path
         self.directory = directory
         self.kind = kind
@@ -121,8 +125,9 @@ class LocalCommit(Commit):
         self.work_path = path.with_name(f".{path.name}.lean_store-tmp-{uuid.uuid4().hex}")
         self.work = str(self.work_path)
         self._aborted = False
-        # a tree: made durable by one syncfs that also reports any write error since now
-        self._sync = fs_sync.open_sync_point(path.parent) if directory else None
+        # a tree this process writes: made durable by one syncfs that also reports any
+        # write error since now
+        self._sync = fs_sync.open_sync_point(path.parent) if directory and one_writer else None
 
     def _check(self) -> None:
         if self.kind is None:

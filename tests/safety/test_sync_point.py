@@ -68,8 +68,14 @@ def test_a_syncfs_error_fails_the_save_and_keeps_the_old_checkpoint(tmp_path, mo
     assert [p.name for p in tmp_path.iterdir()] == ["m.zarr"]  # the temporary is gone
 
 
+def test_a_tree_of_several_writers_is_fsynced_file_by_file(tmp_path):
+    """Sharded saves (ranks maybe on other hosts of a network file system) keep per-file
+    fsyncs: one syncfs on rank 0's host would not reach the other hosts' writes."""
+    assert commit.Commit.local(tmp_path / "x.zarr", directory=True)._sync is None
+
+
 def test_a_commit_closes_its_sync_point(tmp_path):
-    c = commit.Commit.local(tmp_path / "x.zarr", directory=True)
+    c = commit.Commit.local(tmp_path / "x.zarr", directory=True, one_writer=True)
     point = c._sync
     c.make_directory()
     c.abort()
