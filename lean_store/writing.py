@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,30 @@ from .stream import staged
 
 OVERLAP_CRC_BYTES = 1 << 20
 """Write units at least this large have their CRC-32C computed in a thread while written."""
+
+_CRC_POOL: ThreadPoolExecutor | None = None
+_CRC_POOL_LOCK = threading.Lock()
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    """The CRC workers every save shares: started once per process, not once per save (a
+    thread start waits for the new thread to be scheduled: milliseconds on a busy machine,
+    against an incremental step of a few tens of milliseconds)."""
+    global _CRC_POOL
+    with _CRC_POOL_LOCK:
+        if _CRC_POOL is None:
+            _CRC_POOL = ThreadPoolExecutor(2, thread_name_prefix="lean_store-crc")
+        return _CRC_POOL
+
+
+def _forget_crc_pool() -> None:
+    """In a forked child the parent's worker threads do not exist: start afresh."""
+    global _CRC_POOL, _CRC_POOL_LOCK
+    _CRC_POOL, _CRC_POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_crc_pool)
 
 
 def write_source(
@@ -66,8 +91,8 @@ def write_source(
                 yield sink, tensor, region
             yield sink, None, None  # end of this tensor
 
-    with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar, \
-            ThreadPoolExecutor(1, thread_name_prefix="lean_store-crc") as crc_pool:
+    crc_pool = _crc_pool()
+    with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar:
         crc = 0
         for sink, region, bits in staged(units(), buffer_bytes=buffer_bytes):
             if bits is None:
@@ -76,6 +101,15 @@ def write_source(
                 continue
             # one pass: the unit's CRC, combined into the digest; large units have it computed
             # on another core while the store writes them (crc32c releases the GIL)
+            if sink.defers_crc and bits.nbytes >= OVERLAP_CRC_BYTES:
+                lazy = _LazyCRC(crc_pool, bits)
+                try:
+                    known = sink.write(region, bits, lazy)
+                finally:  # the CRC reads ``bits``: done before its buffer can be reused
+                    unit_crc = lazy() if known is None else known
+                crc = crc32c_combine(crc, unit_crc, bits.nbytes)
+                bar.advance(bits.nbytes)
+                continue
             pending = None
             if bits.nbytes >= OVERLAP_CRC_BYTES:
                 try:
@@ -94,6 +128,23 @@ def write_source(
             bar.advance(bits.nbytes)
         writer.commit(root_attrs(layout, kind, extra_root))
     return layout
+
+
+class _LazyCRC:
+    """The CRC-32C of ``bits``, computed on the CRC workers only once asked for."""
+
+    def __init__(self, pool: ThreadPoolExecutor, bits: Any) -> None:
+        self._pool = pool
+        self._bits = bits
+        self._value: int | None = None
+
+    def __call__(self) -> int:
+        if self._value is None:
+            try:
+                self._value = self._pool.submit(crc32c_of, self._bits).result()
+            except RuntimeError:  # pools refuse work once interpreter shutdown has begun
+                self._value = crc32c_of(self._bits)
+        return self._value
 
 
 def storage_name(entry: Entry, backend: str) -> str:

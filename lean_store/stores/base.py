@@ -76,11 +76,17 @@ class TensorWriter(ABC):
     entry: Entry
     chunk_shape: tuple[int, ...]
     write_unit: tuple[int, ...]
+    defers_crc: bool = False
+    """True when :meth:`write` may learn the CRC of ``bits`` without a pass over them (an
+    incremental step linking an unchanged file): the caller then passes ``crc`` as a callable
+    that computes it only when called, and uses the int :meth:`write` returns instead."""
 
     @abstractmethod
-    def write(self, region: Region, bits: np.ndarray, crc: int | None = None) -> None:
+    def write(self, region: Region, bits: np.ndarray, crc: Any = None) -> int | None:
         """Write raw words for ``region`` of the stored shape (complex: trailing axis 2).
-        ``crc``: the CRC-32C of ``bits`` when the caller already has it (saves a pass)."""
+        ``crc``: the CRC-32C of ``bits`` when the caller already has it (saves a pass), or a
+        callable giving it. Returns the CRC-32C of ``bits`` when it was learnt otherwise (see
+        :attr:`defers_crc`), else None."""
 
     @abstractmethod
     def close(self, attrs: dict[str, Any]) -> None:
@@ -100,7 +106,7 @@ class StoreWriter(ABC):
         self.compression = compression
         # refuses a foreign target before any byte is written (and again at the commit)
         self._commit = Commit.at(path, directory=self.makes_directory,
-                                 storage_options=storage_options)
+                                 storage_options=storage_options, one_writer=True)
         self.work = self._commit.work  # where the store is written: a temporary or the URL
         self.tmp_path = Path(self.work)  # local stores: the hidden temporary sibling
         self._done = False

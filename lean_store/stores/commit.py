@@ -4,7 +4,8 @@ A writer asks for a commit, writes into :attr:`Commit.work`, then calls :meth:`C
 (or :meth:`Commit.abort`; leaving a ``with`` block without committing aborts). Two kinds:
 
 - :meth:`Commit.local`: ``work`` is a hidden temporary sibling ``.NAME.lean_store-tmp-<hex>``
-  (a file, or a directory tree). The commit fsyncs every file and directory of it, checks once
+  (a file, or a directory tree). The commit makes every file and directory of it durable
+  (fsyncs, or for a tree one ``syncfs`` where that reports write errors), checks once
   more what the target holds (:mod:`lean_store.stores.target`), moves it into place atomically
   (files: one ``rename``; directories: one ``renameat2(RENAME_EXCHANGE)``, then the old tree,
   swapped out to the temporary name, is removed), and fsyncs the parent directory. A crash at
@@ -60,12 +61,15 @@ class Commit(ABC):
     committed: bool = False
 
     @staticmethod
-    def local(path: str | os.PathLike, *, directory: bool, kind: FileKind | None = None
-              ) -> LocalCommit:
+    def local(path: str | os.PathLike, *, directory: bool, kind: FileKind | None = None,
+              one_writer: bool = False) -> LocalCommit:
         """A commit to a local path; ``directory``: the output is a directory tree (else one
         file). ``kind``: the interop file kind that may be replaced (else only a lean_store
-        checkpoint may be, :func:`~lean_store.stores.target.check_replaceable`)."""
-        return LocalCommit(Path(path), directory=directory, kind=kind)
+        checkpoint may be, :func:`~lean_store.stores.target.check_replaceable`).
+        ``one_writer``: this process alone writes the tree (then one ``syncfs`` can make it
+        durable, :mod:`.fs_sync`; trees written by several processes, maybe on other hosts of
+        a network file system, are fsynced file by file)."""
+        return LocalCommit(Path(path), directory=directory, kind=kind, one_writer=one_writer)
 
     @staticmethod
     def url(url: str, storage_options: dict[str, Any] | None = None) -> URLCommit:
@@ -74,11 +78,11 @@ class Commit(ABC):
 
     @staticmethod
     def at(path: str | os.PathLike, *, directory: bool,
-           storage_options: dict[str, Any] | None = None) -> Commit:
+           storage_options: dict[str, Any] | None = None, one_writer: bool = False) -> Commit:
         """:meth:`url` for a URL, else :meth:`local`."""
         if is_url(path):
             return Commit.url(path, storage_options)
-        return Commit.local(path, directory=directory)
+        return Commit.local(path, directory=directory, one_writer=one_writer)
 
     def make_directory(self) -> None:  # noqa: B027 - a URL prefix needs no directory
         """Create :attr:`work` as an empty directory, for writers that write files into it
@@ -110,7 +114,8 @@ class LocalCommit(Commit):
 
     target: Path
 
-    def __init__(self, path: Path, *, directory: bool, kind: FileKind | None = None) -> None:
+    def __init__(self, path: Path, *, directory: bool, kind: FileKind | None = None,
+                 one_writer: bool = False) -> None:
         self.target = path
         self.directory = directory
         self.kind = kind
@@ -120,6 +125,9 @@ class LocalCommit(Commit):
         self.work_path = path.with_name(f".{path.name}.lean_store-tmp-{uuid.uuid4().hex}")
         self.work = str(self.work_path)
         self._aborted = False
+        # a tree this process writes: made durable by one syncfs that also reports any
+        # write error since now
+        self._sync = fs_sync.open_sync_point(path.parent) if directory and one_writer else None
 
     def _check(self) -> None:
         if self.kind is None:
@@ -138,18 +146,23 @@ class LocalCommit(Commit):
             raise CheckpointError(f"the save to {self.target} was already "
                                   f"{'committed' if self.committed else 'aborted'}")
         try:
-            fsync_tree(self.work_path)
+            fsync_tree(self.work_path, self._sync)
             _publish(self.work_path, self.target, self._check)
         except OSError as exc:
             if not refused_by_os(exc):
                 raise
             raise SaveIOError.wrapping(self.target, exc) from exc
+        finally:
+            if self._sync is not None:
+                self._sync.close()
         self.committed = True
 
     def abort(self) -> None:
         if self.committed:
             return
         self._aborted = True
+        if self._sync is not None:
+            self._sync.close()
         discard_temporary(self.work_path)
 
 
@@ -239,30 +252,34 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def fsync_tree(path: Path) -> None:
-    """fsync a file, or every file and directory of a tree. In a tree, a file with more than
-    one name is skipped: lean_store writes each file of a new tree once, under one name, so a
-    second name is an incremental step's hard link to a committed checkpoint's file, whose
-    data was made durable when that checkpoint was committed; the new name itself is made
-    durable with the directories. The directories' entries are made durable by one
-    ``syncfs`` where the platform has it (one journal commit instead of one per directory;
-    :mod:`.fs_sync`), else by an fsync of each directory. On a file system kept in memory
-    (tmpfs, e.g. /dev/shm) there is nothing to make durable, and nothing is done."""
+def fsync_tree(path: Path, sync: fs_sync.SyncPoint | None = None) -> None:
+    """fsync a file, or every file and directory of a tree. On a file system kept in memory
+    (tmpfs, e.g. /dev/shm) there is nothing to make durable, and nothing is done. ``sync``: a
+    :class:`~.fs_sync.SyncPoint` opened before the tree was written; then one ``syncfs``
+    makes all of it durable and reports any write error (one journal commit for the whole
+    tree). Else each file is fsynced, except a file with more than one name: lean_store
+    writes each file of a new tree once, under one name, so a second name is an incremental
+    step's hard link to a committed checkpoint's file, whose data was made durable when that
+    checkpoint was committed; and the directories' entries are made durable by one ``syncfs``
+    where the platform has it (:mod:`.fs_sync`), else by an fsync of each directory."""
     if fs_sync.in_memory(path):
         return
-    if path.is_dir():
-        dirs = []
-        for root, _dirs, files in os.walk(path):
-            for name in files:
-                file = os.path.join(root, name)
-                if os.lstat(file).st_nlink == 1:
-                    _fsync(Path(file))
-            dirs.append(Path(root))
-        if not fs_sync.syncfs(path):
-            for directory in dirs:
-                _fsync_dir(directory)
-    else:
+    if not path.is_dir():
         _fsync(path)
+        return
+    if sync is not None:
+        sync.sync()
+        return
+    dirs = []
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            file = os.path.join(root, name)
+            if os.lstat(file).st_nlink == 1:
+                _fsync(Path(file))
+        dirs.append(Path(root))
+    if not fs_sync.syncfs(path):
+        for directory in dirs:
+            _fsync_dir(directory)
 
 
 def _fsync(path: Path) -> None:

@@ -24,13 +24,13 @@ class OrderedPool:
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self.pool = pool
-        self._pending: deque[tuple[Future, Callable[[Any], None]]] = deque()
+        self._pending: deque[tuple[Future, Callable[[Any], object]]] = deque()
 
     def busy(self) -> bool:
         """Whether chunks are in flight (then a small one queues too, to keep the order)."""
         return bool(self._pending)
 
-    def submit(self, put: Callable[[Any], None], encode: Callable[..., Any], chunk: np.ndarray,
+    def submit(self, put: Callable[[Any], object], encode: Callable[..., Any], chunk: np.ndarray,
                *args: Any) -> None:
         """``encode(chunk, *args)`` on the pool (``chunk``: a copy the caller no longer
         touches); ``put`` the result once it and every earlier chunk's are ready."""

@@ -11,6 +11,12 @@ byte-identical to the previous step's instead of writing it (see
 :mod:`~lean_store.stores.zarr.incremental`): each step is still a complete, standalone store,
 and deleting any step never damages another.
 
+Steps dropped by ``keep_last`` (or replaced with ``overwrite=True``) leave the listing before
+``save`` returns: each is renamed to a hidden ``.step_<n>.*.lean_store-dead-*`` name at once,
+and its files are removed by a background thread (at most :data:`MAX_DELETING` such steps at a
+time; :meth:`Checkpointer.finish_deletions` waits for them, and so does the interpreter's exit).
+A process killed meanwhile leaves a hidden leftover that the next ``save`` clears away.
+
 One directory belongs to one writer at a time. With ``process_group`` (or a DTensor model) the
 writer is the group: every rank calls ``save``/``restore``, each step is a sharded training
 checkpoint, and rank 0 alone lists, cleans and prunes the directory, with the ranks agreeing
@@ -24,6 +30,7 @@ import re
 import uuid
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +47,9 @@ from .state import SCHEDULED, TrainingInfo
 _SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
 _STEP = re.compile(r"^step_(\d{1,19})\.(h5|zarr)$")
 _LEFTOVER = re.compile(r"^\.step_\d{1,19}\.(h5|zarr)\.lean_store-(tmp|old|dead)-[0-9a-f]+$")
+MAX_DELETING = 2
+"""Dropped steps whose files may be being removed in the background at once (bounds the disk
+space a fast run of saves can hold in removed steps)."""
 
 
 class Checkpointer:
@@ -87,6 +97,8 @@ class Checkpointer:
         self.backend = backend
         self.process_group = process_group
         self.incremental = bool(incremental)
+        self._deleter: ThreadPoolExecutor | None = None  # removes dropped steps' files
+        self._deleting: dict[str, Future[None]] = {}  # hidden name -> its removal
         self.last_save_stats: IncrementalStats | None = None
         """Written and linked unit-file bytes of the last save, when it had a step to link to."""
         if create:
@@ -225,7 +237,26 @@ class Checkpointer:
         # rename aside first: a crash mid-delete never leaves a half-deleted visible step
         dead = path.with_name(f".{path.name}.lean_store-dead-{uuid.uuid4().hex}")
         os.rename(path, dead)
-        remove_path(dead)
+        self._remove_later(dead)
+
+    def _remove_later(self, dead: Path) -> None:
+        """Remove the renamed-aside step ``dead`` on the background thread, after waiting
+        for the oldest removals beyond :data:`MAX_DELETING`."""
+        self._deleting = {n: f for n, f in self._deleting.items() if not f.done()}
+        while len(self._deleting) >= MAX_DELETING:
+            self._deleting.pop(next(iter(self._deleting))).result()
+        if self._deleter is None:
+            self._deleter = ThreadPoolExecutor(1, thread_name_prefix="lean_store-prune")
+        try:
+            self._deleting[dead.name] = self._deleter.submit(remove_path, dead)
+        except RuntimeError:  # the interpreter is shutting down: no new threads
+            remove_path(dead)
+
+    def finish_deletions(self) -> None:
+        """Wait until the files of every step this Checkpointer dropped are removed."""
+        for future in list(self._deleting.values()):
+            future.result()
+        self._deleting.clear()
 
     def clean_incomplete(self) -> list[Path]:
         """Remove temporaries left by interrupted saves and deletions; return what went."""
@@ -235,6 +266,9 @@ class Checkpointer:
         except FileNotFoundError:
             return removed
         for name in names:
+            busy = self._deleting.get(name)
+            if busy is not None and not busy.done():
+                continue  # being removed by this Checkpointer's background thread
             if _LEFTOVER.match(name):
                 remove_path(self.directory / name)
                 removed.append(self.directory / name)

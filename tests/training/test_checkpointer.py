@@ -39,6 +39,7 @@ def test_keep_last_and_latest(tmp_path, backend):
         path = ck.save(step, model=model, optimizer=opt, extra={"loss": step / 10})
         assert path.exists() and ck.latest() == step
     assert ck.steps() == [10, 11]
+    ck.finish_deletions()  # the dropped steps' files, removed in the background
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
         ck.path(10).name, ck.path(11).name
     ]  # nothing else: no temporaries, no pruned steps

@@ -174,6 +174,7 @@ def bench_incremental(model: torch.nn.Module, width: int, work: Path, steps: int
                 stats = ck.last_save_stats
                 written.append(disk_bytes(path) if stats is None or step == 0
                                else stats.written_bytes)
+            ck.finish_deletions()  # pruned steps' files, removed in the background meanwhile
             later = slice(1, None)  # step 0 of an incremental run has nothing to link to
             result[f"{what} {mode}"] = {
                 "save_s": min(times[later]), "save_s_median": statistics.median(times[later]),

@@ -27,7 +27,6 @@ import math
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -120,15 +119,17 @@ def _encode(chunk: np.ndarray, itemsize: int, fletcher32: bool) -> bytes | np.nd
 
 
 class BloscChunks:
-    """Compress chunks in a thread pool, hand them to ``put(offset, payload)`` in order (the
-    interface of :class:`lean_store.stores.hdf5.deflate.DeflateChunks`)."""
+    """Compress chunks on the writer's ``queue`` (shared by every dataset of a save, so that
+    the chunks of one tensor compress while the ones before them are written), hand them to
+    ``put(offset, payload)`` in order (the interface of
+    :class:`lean_store.stores.hdf5.deflate.DeflateChunks`)."""
 
-    def __init__(self, pool: ThreadPoolExecutor, itemsize: int, fletcher32: bool,
+    def __init__(self, queue: OrderedPool, itemsize: int, fletcher32: bool,
                  put: Callable[[tuple[int, ...], Any], None]) -> None:
         self._itemsize = itemsize
         self._fletcher32 = fletcher32
         self._put = put
-        self._queue = OrderedPool(pool)
+        self._queue = queue
 
     def submit(self, offset: tuple[int, ...], chunk: np.ndarray) -> None:
         """Queue one full chunk (its bytes, padded to the chunk shape). It is copied for the
@@ -139,12 +140,6 @@ class BloscChunks:
         self._queue.submit(functools.partial(self._put, offset), _encode, chunk.copy(),
                            self._itemsize, self._fletcher32)
 
-    def flush(self) -> None:
-        """Write every queued chunk."""
-        self._queue.flush()
-
-    def cancel(self) -> None:
-        self._queue.cancel()
 
 
 _FRAMES = threading.local()  # per thread: a reused buffer for stored chunks read with pread

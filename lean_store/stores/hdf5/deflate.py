@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -73,15 +72,16 @@ pool hand-off costs more than deflating them (many small tensors: biases, norms)
 
 
 class DeflateChunks:
-    """Compress chunks in a thread pool, hand them to ``put(offset, payload)`` in order."""
+    """Compress chunks on the writer's ``queue`` (shared by every dataset of a save), hand
+    them to ``put(offset, payload)`` in order."""
 
-    def __init__(self, pool: ThreadPoolExecutor, itemsize: int, level: int,
+    def __init__(self, queue: OrderedPool, itemsize: int, level: int,
                  fletcher32: bool, put: Callable[[tuple[int, ...], Any], None]) -> None:
         self._itemsize = itemsize
         self._level = level
         self._fletcher32 = fletcher32
         self._put = put
-        self._queue = OrderedPool(pool)
+        self._queue = queue
 
     def submit(self, offset: tuple[int, ...], chunk: np.ndarray) -> None:
         """Queue one full chunk (its bytes, padded to the chunk shape). The shuffle copies it
@@ -94,13 +94,6 @@ class DeflateChunks:
             shuffled = chunk.copy()
         self._queue.submit(functools.partial(self._put, offset), _encode, shuffled,
                            self._itemsize, self._level, self._fletcher32)
-
-    def flush(self) -> None:
-        """Write every queued chunk."""
-        self._queue.flush()
-
-    def cancel(self) -> None:
-        self._queue.cancel()
 
 
 __all__ = ["DeflateChunks", "deflate_planes", "shuffle"]

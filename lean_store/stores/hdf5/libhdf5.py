@@ -37,6 +37,20 @@ H5P_DEFAULT = 0
 class Library:
     """The few libhdf5 functions used, bound to the library h5py loaded, and h5py's lock."""
 
+    _H5Acreate2: Any
+    _H5Awrite: Any
+    _H5Aopen: Any
+    _H5Aread: Any
+    _H5Aget_type: Any
+    _H5Aget_space: Any
+    _H5Aclose: Any
+    _H5Adelete: Any
+    _H5Tequal: Any
+    _H5Tclose: Any
+    _H5Sget_simple_extent_ndims: Any
+    _H5Sget_simple_extent_npoints: Any
+    _H5Sclose: Any
+
     def __init__(self, lib: ctypes.PyDLL, lock: Any) -> None:
         self._lock = lock
         self._scratch = bytearray(256)  # where attributes are read to; used under the lock

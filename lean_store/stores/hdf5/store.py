@@ -40,6 +40,7 @@ from ..base import (
     StoreWriter,
     TensorWriter,
 )
+from ..ordered_pool import OrderedPool
 from .attrs import EncodedAttr, attrs_match, encode_attr, read_attrs, to_hdf5_attr, write_attrs
 from .blosc import (
     BLOSC_FILTER,
@@ -187,8 +188,8 @@ class HDF5TensorWriter(TensorWriter):
         self._crcs[chunk_number(coords, self._grid)] = crc
 
     def close(self, attrs: dict[str, Any]) -> None:
-        if self._deflate is not None:
-            self._deflate.flush()
+        # chunks still compressing on the writer's queue are written later (by the next
+        # tensors' writes, at the latest when the file is finished); their CRCs are known
         write_attrs(self._dset, {**(self._attrs or {}), **attrs, CHUNK_CRC_ATTR: self._crcs},
                     replace=self._attrs is None)
         if self._record is not None:
@@ -215,7 +216,8 @@ class HDF5Writer(StoreWriter):
             raise CheckpointError(f"unknown HDF5 checksum {checksum!r}; use one of {CHECKSUMS}")
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
         self._fletcher32 = checksum == "fletcher32+crc32c"
-        self._pool: ThreadPoolExecutor | None = None  # shuffle + deflate workers, when used
+        # shuffle + deflate or Blosc workers, when used: one queue for the whole file
+        self._queue: OrderedPool | None = None
         self._records: list[dict[str, Any]] = []  # the manifest, one record per dataset
         self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _plan
         _ONE_SAVE_AT_A_TIME.acquire()  # released when the file is closed (finish or abort)
@@ -277,25 +279,28 @@ class HDF5Writer(StoreWriter):
         """Threaded shuffle + deflate when the filters are exactly those (+ fletcher32);
         threaded Blosc when the filter is Blosc (HDF5 has no Blosc of its own)."""
         codes = [dcpl.get_filter(i) for i in range(dcpl.get_nfilters())]
+
+        def put(offset: tuple[int, ...], payload: Any) -> None:
+            dset.write_direct_chunk(offset, payload, 0)
+
         if blosc_fletcher32(dcpl) is not None:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(DEFLATE_THREADS,
-                                                thread_name_prefix="lean_store-deflate")
-            return BloscChunks(self._pool, itemsize, self._fletcher32,
-                               lambda offset, payload: dset.write_direct_chunk(offset, payload, 0))
+            return BloscChunks(self._chunk_queue(), itemsize, self._fletcher32, put)
         if [c[0] for c in codes] not in (
             [h5z.FILTER_SHUFFLE, h5z.FILTER_DEFLATE],
             [h5z.FILTER_SHUFFLE, h5z.FILTER_DEFLATE, h5z.FILTER_FLETCHER32],
         ):
             return None
         level = int(codes[1][2][0])
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(DEFLATE_THREADS,
-                                            thread_name_prefix="lean_store-deflate")
-        return DeflateChunks(self._pool, itemsize, level, self._fletcher32,
-                             lambda offset, payload: dset.write_direct_chunk(offset, payload, 0))
+        return DeflateChunks(self._chunk_queue(), itemsize, level, self._fletcher32, put)
+
+    def _chunk_queue(self) -> OrderedPool:
+        if self._queue is None:
+            self._queue = OrderedPool(ThreadPoolExecutor(
+                DEFLATE_THREADS, thread_name_prefix="lean_store-compress"))
+        return self._queue
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
+        self._stop_pool(flush=True)  # every tensor is closed: its last chunks written
         attrs = self._file.attrs
         for key, value in root_attrs.items():
             attrs[key] = to_hdf5_attr(value)
@@ -307,16 +312,21 @@ class HDF5Writer(StoreWriter):
         attrs["complete"] = np.int8(1)  # written last: a file without it is incomplete
         self._file.flush()
         self._file.close()
-        self._stop_pool()
         self._release()
 
-    def _stop_pool(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    def _stop_pool(self, *, flush: bool) -> None:
+        queue, self._queue = self._queue, None
+        if queue is None:
+            return
+        try:
+            if flush:
+                queue.flush()
+        finally:
+            queue.cancel()
+            queue.pool.shutdown(wait=True, cancel_futures=True)
 
     def _close_quietly(self) -> None:
-        self._stop_pool()
+        self._stop_pool(flush=False)
         try:
             self._file.close()
         except Exception:  # noqa: BLE001 - closing a broken file must not mask the first error

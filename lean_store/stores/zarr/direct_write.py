@@ -51,10 +51,6 @@ def _crc_bytes(data: Any) -> bytes:
     return int(google_crc32c.value(data)).to_bytes(4, "little")
 
 
-def _crc_word(crc: Any) -> bytes:
-    """A CRC-32C (or a callable returning it) as the 4 little-endian bytes zarr writes."""
-    return int(crc() if callable(crc) else crc).to_bytes(4, "little")
-
 
 _O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 _WRITEV_MAX = 1024  # buffers per writev (IOV_MAX on Linux)
@@ -162,13 +158,21 @@ class DirectWriter:
         self._chunk_nbytes = math.prod(chunks) * itemsize
         self._made: set[str] = set()
 
-    def write(self, region: Region, data: np.ndarray, crc: Any = None) -> None:
+    @property
+    def defers_crc(self) -> bool:
+        """An incremental step's uncompressed unsharded chunks: a chunk file linked to the
+        previous step's takes that file's CRC-32C word (its bytes compared equal) instead of
+        a pass over the chunk (:attr:`lean_store.stores.base.TensorWriter.defers_crc`)."""
+        return self._linker is not None and self._blosc is None and self._shards is None
+
+    def write(self, region: Region, data: np.ndarray, crc: Any = None) -> int | None:
         """Write the file of the shard (or chunk) whose clipped region is ``region``;
-        ``data`` holds its C-contiguous little-endian bytes; ``crc``, when given, is their
-        CRC-32C, or a callable returning it (computed meanwhile on another thread): a whole
-        unsharded, uncompressed chunk then has its checksum taken from it, not computed
-        again. A compressed chunk file of an unsharded array may be written later (its
-        bytes copied first), by the queue."""
+        ``data`` holds its C-contiguous little-endian bytes. A compressed chunk file of an
+        unsharded array may be written later (its bytes copied first), by the queue.
+        ``crc``: the CRC-32C of ``data`` when the caller has it (an int, or a callable giving
+        it once computed): an unsharded uncompressed chunk then takes it instead of a second
+        pass over its bytes. Returns the chunk's CRC-32C when its file was linked to an equal
+        one of the previous step without calling ``crc`` (see :attr:`defers_crc`)."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         unit = self._shards or self._chunks
         key = chunk_key(self._array, tuple(s.start // u for s, u in zip(region, unit)))
@@ -182,11 +186,16 @@ class DirectWriter:
                     self._queue.busy() or flat.size >= INLINE_BYTES):
                 self._queue.submit(lambda pieces: self._put(path, key, pieces),
                                    self._chunk_pieces, flat.copy())
-                return
-            if crc is not None and self._blosc is None and flat.size == self._chunk_nbytes:
-                self._put(path, key, [flat], crc)
-                return
-            pieces += self._chunk_pieces(flat)
+                return None
+            if self._blosc is None and crc is not None:
+                pad = self._chunk_nbytes - flat.size  # an edge chunk: zarr pads it with 0
+                if not pad:
+                    pieces += [flat, self._crc_piece(0, crc)]
+                    word = self._put(path, key, pieces)  # the base's word, for a lazy crc
+                    return None if word is None else int.from_bytes(word, "little")
+                pieces += [flat, np.zeros(pad, np.uint8), self._crc_piece(pad, crc)]
+            else:
+                pieces += self._chunk_pieces(flat)
         else:
             size = self._chunk_nbytes
             per_shard = math.prod(s // c for s, c in zip(self._shards, self._chunks))
@@ -201,6 +210,7 @@ class DirectWriter:
                 pieces += chunk
             pieces += shard_index.encode(index)
         self._put(path, key, pieces)
+        return None
 
     def _make_folders(self, folder: str) -> None:
         """``folder`` (below the array's own) and its parents, top down: one ``mkdir`` each
@@ -220,23 +230,40 @@ class DirectWriter:
         """Whether a chunk file was written (its folders, the array's among them, exist)."""
         return bool(self._made)
 
-    def _put(self, path: str, key: str, pieces: list[Any], crc: Any = None) -> None:
-        """Create the file ``path`` holding ``pieces``, then (``crc`` given: the CRC-32C of
-        the one piece, or a callable returning it) that CRC as 4 little-endian bytes."""
+    @staticmethod
+    def _crc_piece(pad: int, crc: Any) -> Any:
+        """The stored CRC-32C word of a chunk whose bytes have the CRC ``crc`` (an int, or a
+        callable giving it) before ``pad`` zero bytes of padding; a callable piece while
+        ``crc`` is still being computed (resolved once the chunk's bytes are out)."""
+
+        def word() -> bytes:
+            value = crc() if callable(crc) else crc
+            if pad:
+                value = google_crc32c.extend(value, bytes(pad))
+            return int(value).to_bytes(4, "little")
+
+        return word if callable(crc) else word()
+
+    def _put(self, path: str, key: str, pieces: list[Any]) -> bytes | None:
+        """Create (or, in an incremental step, link) the unit file ``path`` holding ``pieces``
+        in order, with one open and ``writev`` calls. A callable piece (a chunk's CRC-32C word
+        still being computed on another thread) is resolved once the pieces before it are out.
+        Returns what the previous step's file holds in place of the callable piece when the
+        file was linked without calling it."""
         if self._linker is not None:
-            if crc is not None:
-                pieces = [*pieces, _crc_word(crc)]
-            self._linker.link_or_write(Path(path), key, pieces)
-            return
+            return self._linker.link_or_write(Path(path), key, pieces)
         fd = os.open(path, _O_CREATE, 0o666)
         try:
-            if callable(crc):  # the data first, while the CRC is computed on another thread
-                write_all(fd, pieces)
-                write_all(fd, [_crc_word(crc)])
-            else:
-                write_all(fd, pieces if crc is None else [*pieces, _crc_word(crc)])
+            start = 0
+            for i, piece in enumerate(pieces):
+                if callable(piece):
+                    write_all(fd, pieces[start:i])
+                    write_all(fd, [piece()])
+                    start = i + 1
+            write_all(fd, pieces[start:])
         finally:
             os.close(fd)
+        return None
 
     def _encoded(self, parts: list[np.ndarray]) -> list[list[Any]]:
         """Each chunk's stored pieces; Blosc chunks of a shard compressed on the pool."""

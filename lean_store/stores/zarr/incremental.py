@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -38,7 +39,6 @@ from typing import Any
 
 import numpy as np
 
-_COMPARE_BLOCK = 1 << 22  # bytes compared per read
 _CRC_BYTES = 4
 
 
@@ -119,22 +119,27 @@ class UnitLinker:
             return None
         return path
 
-    def link_or_write(self, path: Path, key: str, pieces: list[Any]) -> None:
+    def link_or_write(self, path: Path, key: str, pieces: list[Any]) -> bytes | None:
         """Create ``path`` (absent) holding ``pieces`` in order: as a hard link to the base's
-        file at ``key`` when that holds exactly these bytes, else by writing them."""
-        views = [memoryview(p).cast("B") for p in pieces]
-        size = sum(v.nbytes for v in views)
+        file at ``key`` when that holds exactly these bytes, else by writing them. A piece
+        may be a callable giving its bytes (a chunk's CRC-32C word, computed only when
+        asked): it is called only if the file is written. A linked file's word at that place
+        is returned instead (the CRC of the bytes compared equal: no pass over them)."""
         base = self._base_file(key)
-        if base is not None and _same_bytes(base, views, size):
+        same, word = (False, None) if base is None else _same_bytes(base, pieces)
+        if same:
+            assert base is not None
             os.link(base, path)
             self.stats.linked_files += 1
-            self.stats.linked_bytes += size
-            return
+            self.stats.linked_bytes += sum(_size(p) for p in pieces)
+            return word
+        size = 0
         with open(path, "xb") as f:  # never into an existing file (it may be a link)
-            for view in views:
-                f.write(view)
+            for piece in pieces:
+                size += f.write(piece() if callable(piece) else piece)
         self.stats.written_files += 1
         self.stats.written_bytes += size
+        return None
 
     def link_if_same(self, key: str) -> None:
         """The unit file ``key`` was just written (by zarr, compressed): replace it with a hard
@@ -144,8 +149,7 @@ class UnitLinker:
         base = self._base_file(key)
         if base is not None and size >= _CRC_BYTES:
             data = np.fromfile(path, dtype=np.uint8)
-            views = [data[: size - _CRC_BYTES].data, data[size - _CRC_BYTES:].data]
-            if _same_bytes(base, views, size):
+            if _same_bytes(base, [data[: size - _CRC_BYTES], data[size - _CRC_BYTES:]])[0]:
                 tmp = path.with_name(f".{path.name}.link")
                 os.link(base, tmp)
                 os.replace(tmp, path)
@@ -169,47 +173,80 @@ def _libc_memcmp() -> Any:
 _MEMCMP = _libc_memcmp()
 
 
-def _equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Two contiguous uint8 arrays of one size hold the same bytes (memcmp: no temporary)."""
+def _equal_at(address: int, want: np.ndarray) -> bool:
+    """The ``want.size`` bytes at ``address`` equal the contiguous uint8 array ``want``
+    (memcmp: no temporary)."""
     if _MEMCMP is None:  # pragma: no cover
-        return bool(np.array_equal(a, b))
-    return _MEMCMP(a.ctypes.data, b.ctypes.data, a.size) == 0
+        return bytes((ctypes.c_char * want.size).from_address(address)) == want.tobytes()
+    return _MEMCMP(address, want.ctypes.data, want.size) == 0
 
 
-def _same_bytes(base: Path, views: list[memoryview], size: int) -> bool:
-    """True when the file ``base`` holds exactly ``views`` concatenated. The CRC-32C words
-    (pieces of 4 bytes: each chunk's crc32c, the shard index's) are compared first, so a
-    changed unit costs a few small reads; then every byte."""
+def _size(piece: Any) -> int:
+    return _CRC_BYTES if callable(piece) else memoryview(piece).nbytes
+
+
+def _same_bytes(base: Path, pieces: list[Any]) -> tuple[bool, bytes | None]:
+    """(whether the file ``base`` holds ``pieces`` concatenated, what it holds in place of
+    a callable piece). A callable piece is a chunk's CRC-32C word not computed yet: it is
+    never called; the file's word there is the CRC of the bytes before it, which are
+    compared with ours byte for byte. The CRC-32C words already known (pieces of 4 bytes:
+    each chunk's crc32c, the shard index's) are compared first, so a changed unit costs a
+    few small reads; then every byte (:func:`_file_holds`)."""
     try:
         fd = os.open(base, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
-        return False
+        return False, None
     try:
-        if os.fstat(fd).st_size != size:
-            return False
+        size = os.fstat(fd).st_size
         offsets, at = [], 0
-        for view in views:
+        for piece in pieces:
             offsets.append(at)
-            at += view.nbytes
-        small = [(o, v) for o, v in zip(offsets, views) if v.nbytes == _CRC_BYTES]
-        for offset, view in small:
-            if os.pread(fd, _CRC_BYTES, offset) != view.tobytes():
-                return False
-        buf = np.empty(min(_COMPARE_BLOCK, size) or 1, np.uint8)
-        for offset, view in zip(offsets, views):
-            if view.nbytes == _CRC_BYTES:
+            at += _size(piece)
+        if at != size:
+            return False, None
+        for offset, piece in zip(offsets, pieces):
+            if not callable(piece) and _size(piece) == _CRC_BYTES \
+                    and os.pread(fd, _CRC_BYTES, offset) != bytes(piece):
+                return False, None
+        for offset, piece in zip(offsets, pieces):
+            if callable(piece) or _size(piece) == _CRC_BYTES:
                 continue
-            want = np.frombuffer(view, np.uint8)
-            for start in range(0, want.size, buf.size):
-                part = want[start: start + buf.size]
-                got = os.preadv(fd, [buf[: part.size]], offset + start)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
-                if got != part.size or not _equal(buf[: part.size], part):
-                    return False
-        return True
-    except OSError:
-        return False
+            if not _file_holds(fd, offset, np.frombuffer(memoryview(piece).cast("B"), np.uint8)):
+                return False, None
+        words = [os.pread(fd, _CRC_BYTES, o) for o, p in zip(offsets, pieces) if callable(p)]
+        if any(len(w) != _CRC_BYTES for w in words):
+            return False, None
+        return True, words[-1] if words else None
+    except (OSError, ValueError):
+        return False, None
     finally:
         os.close(fd)
+
+
+_COMPARE_BYTES = 1 << 20
+_scratch = threading.local()
+
+
+def _file_holds(fd: int, offset: int, want: np.ndarray) -> bool:
+    """The file ``fd`` holds the contiguous uint8 array ``want`` at ``offset``: read in windows
+    of at most 1 MiB into one reused per-thread buffer (bounded memory) and compared with
+    memcmp; a changed chunk stops at its first differing window. Read, not mapped: a file
+    truncated meanwhile by another process reads short (a difference) where a mapping
+    would raise SIGBUS and kill the process."""
+    buf: bytearray | None = getattr(_scratch, "buf", None)
+    if buf is None:
+        buf = _scratch.buf = bytearray(_COMPARE_BYTES)
+        _scratch.address = ctypes.addressof((ctypes.c_char * _COMPARE_BYTES).from_buffer(buf))
+    address: int = _scratch.address
+    at = 0
+    while at < want.size:
+        n = min(_COMPARE_BYTES, want.size - at)
+        if os.preadv(fd, [memoryview(buf)[:n]], offset + at) != n:
+            return False
+        if not _equal_at(address, want[at: at + n]):
+            return False
+        at += n
+    return True
 
 
 __all__ = ["IncrementalStats", "UnitLinker", "linker_for", "linking_from"]

@@ -218,19 +218,24 @@ class ZarrTensorWriter(TensorWriter):
         self.write_unit = unit[:rank]  # regions are over the logical stored shape
         self._unit = unit
 
-    def write(self, region: Region, bits: np.ndarray, crc: int | None = None) -> None:
+    @property
+    def defers_crc(self) -> bool:  # type: ignore[override]
+        return self._direct is not None and self._direct.defers_crc
+
+    def write(self, region: Region, bits: np.ndarray, crc: Any = None) -> int | None:
         data = np.ascontiguousarray(bits)
         if self._native is not None:
             data = data.view(self._native).reshape(tuple(s.stop - s.start for s in region))
         elif self._pairs:
             region = region + (slice(0, 2),)
         if self._direct is not None:
-            self._direct.write(region, data, crc)
+            return self._direct.write(region, data, crc)
         else:
             self._array[region] = data
             if self._linker is not None:
                 self._linker.link_if_same(self._array.metadata.encode_chunk_key(
                     tuple(s.start // u for s, u in zip(region, self._unit))))
+            return None
 
     def close(self, attrs: dict[str, Any]) -> None:
         from ...naming import node_name

@@ -1,0 +1,113 @@
+"""How an incremental step decides a unit file is unchanged: the CRC-32C words, then every
+byte against the base's file (read in bounded windows); a chunk's CRC comes from the save's own
+pass over its bytes (no second pass in the Zarr writer), or, for a chunk linked to an equal
+file, from that file (no pass at all)."""
+
+from __future__ import annotations
+
+import os
+
+import google_crc32c
+import numpy as np
+import pytest
+import zarr
+
+import lean_store as ls
+from lean_store.stores.zarr import direct_write
+from lean_store.stores.zarr.incremental import IncrementalStats, UnitLinker
+
+
+def _word(data: bytes) -> bytes:
+    return int(google_crc32c.value(data)).to_bytes(4, "little")
+
+
+@pytest.fixture
+def linker(tmp_path):
+    base, new = tmp_path / "base", tmp_path / "new"
+    base.mkdir()
+    new.mkdir()
+    data = bytes(range(256)) * 64
+    (base / "c0").write_bytes(data + _word(data))
+    return UnitLinker(base, new, IncrementalStats()), data
+
+
+def test_equal_bytes_are_linked_without_computing_their_crc(linker, tmp_path):
+    """A chunk whose bytes equal the base file's takes the base's CRC word (the CRC of those
+    bytes) instead of a pass over them: the callable is never called."""
+    unit, data = linker
+    calls = []
+    word = unit.link_or_write(tmp_path / "new" / "c0", "c0", [
+        np.frombuffer(data, np.uint8), lambda: (calls.append(1), _word(data))[1]])
+    assert os.path.samefile(tmp_path / "new" / "c0", tmp_path / "base" / "c0")
+    assert word == _word(data) and not calls
+    assert unit.stats.linked_files == 1 and unit.stats.written_files == 0
+
+
+def test_same_crc_word_different_bytes_is_written_not_linked(linker, tmp_path):
+    """A CRC match alone never links: the bytes are compared too (as after a collision)."""
+    unit, data = linker
+    changed = bytearray(data)
+    changed[5000] ^= 1
+    unit.link_or_write(tmp_path / "new" / "c0", "c0", [bytes(changed), _word(data)])
+    path = tmp_path / "new" / "c0"
+    assert not os.path.samefile(path, tmp_path / "base" / "c0")
+    assert path.read_bytes() == bytes(changed) + _word(data)
+    assert unit.stats.written_files == 1 and unit.stats.linked_files == 0
+
+
+def test_changed_bytes_with_a_lazy_crc_are_written_with_it(linker, tmp_path):
+    unit, data = linker
+    changed = bytes([data[0] ^ 1]) + data[1:]
+    assert unit.link_or_write(tmp_path / "new" / "c0", "c0",
+                              [changed, lambda: _word(changed)]) is None
+    assert (tmp_path / "new" / "c0").read_bytes() == changed + _word(changed)
+    assert unit.stats.written_files == 1
+
+
+def test_a_base_file_of_another_size_is_not_compared(linker, tmp_path):
+    unit, data = linker
+    unit.link_or_write(tmp_path / "new" / "c0", "c0", [data[:-1], _word(data[:-1])])
+    assert unit.stats.written_files == 1
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (67, 256)])  # aligned, and an edge chunk
+def test_zarr_chunks_take_the_save_crc_instead_of_a_second_pass(tmp_path, monkeypatch, shape):
+    passes = []
+    real = direct_write._crc_bytes
+    monkeypatch.setattr(direct_write, "_crc_bytes", lambda d: (passes.append(1), real(d))[1])
+    w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    path = tmp_path / "w.zarr"
+    ls.save({"w": w}, path, chunk_bytes=16 << 10)  # 16 rows a chunk, unsharded
+    assert passes == []
+    np.testing.assert_array_equal(ls.load_state(path)["w"], w)  # every chunk CRC-checked
+    assert ls.verify(path).ok
+    np.testing.assert_array_equal(zarr.open_group(str(path), mode="r")["w"][...], w)
+
+
+def test_incremental_step_skips_the_crc_pass_of_linked_chunks(tmp_path, monkeypatch):
+    """Only the changed chunks' bytes are CRC'd in an incremental step; every step still
+    verifies (each chunk's CRC and the tensors' digests) and loads exactly."""
+    from torch_optional import require_torch
+
+    from lean_store import writing
+
+    torch = require_torch()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    ck = ls.Checkpointer(tmp_path / "run", backend="zarr", incremental=True)
+    ck.save(0, model=model, rng=False)
+    with torch.no_grad():
+        model[1].weight.add_(1.0)
+    passes: list[int] = []
+    real = writing.crc32c_of
+    monkeypatch.setattr(writing, "crc32c_of", lambda b, *a: (passes.append(b.nbytes),
+                                                             real(b, *a))[1])
+    path = ck.save(1, model=model, rng=False)
+    monkeypatch.undo()
+    weight = 1024 * 1024 * 4
+    assert ck.last_save_stats.linked_bytes >= weight  # the unchanged first layer
+    assert sum(n for n in passes if n >= 1 << 20) == weight  # only the changed layer's chunks
+    assert ls.verify(path).ok and ls.verify(ck.path(0)).ok
+    got = ls.load_state(path)
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(got[f"model/{name}"], value.numpy())
