@@ -111,3 +111,30 @@ def test_incremental_step_skips_the_crc_pass_of_linked_chunks(tmp_path, monkeypa
     got = ls.load_state(path)
     for name, value in model.state_dict().items():
         np.testing.assert_array_equal(got[f"model/{name}"], value.numpy())
+
+
+def test_a_base_file_truncated_while_compared_is_a_difference(tmp_path, monkeypatch):
+    """Another process truncates the base file during the comparison: the step writes its
+    own file (the base is read, not mapped: a mapping would end the process with SIGBUS)."""
+    base, new = tmp_path / "base", tmp_path / "new"
+    base.mkdir()
+    new.mkdir()
+    data = np.random.default_rng(1).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    (base / "c0").write_bytes(data + _word(data))
+    real = os.preadv
+    calls = []
+
+    def truncating(fd, buffers, offset):
+        if not calls:
+            os.truncate(base / "c0", 1 << 20)
+        calls.append(offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", truncating)
+    unit = UnitLinker(base, new, IncrementalStats())
+    unit.link_or_write(new / "c0", "c0", [np.frombuffer(data, np.uint8), _word(data)])
+    monkeypatch.undo()
+    assert calls  # compared through reads
+    assert not os.path.samefile(new / "c0", base / "c0")
+    assert (new / "c0").read_bytes() == data + _word(data)
+    assert unit.stats.written_files == 1 and unit.stats.linked_files == 0
