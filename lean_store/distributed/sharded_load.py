@@ -7,8 +7,12 @@ anything unless all can:
 
 1. validate: header, layout against the target, recorded shards cover every tensor exactly
    once (done when the checkpoint is opened), the master file's mappings;
-2. verify (``verify=True``): every stored shard's digest, each shard checked by one rank
-   (round robin), so the whole checkpoint is read once in total across ranks;
+2. verify (``verify=True``): every stored shard's digest, each shard checked by one rank, so
+   the whole checkpoint is read once in total across ranks. A shard goes to a rank whose own
+   box holds all of it where there is one (the least loaded such rank), else to the least
+   loaded rank; that rank keeps the verified words (up to :data:`KEPT_BYTES`) and installs
+   them from memory, so a same-placement load reads each shard once and a rank opens only what
+   it installs;
 3. install: each rank reads the intersections of its boxes with the stored shards, in bounded
    blocks, and copies them into its local tensors.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..chunking import DEFAULT_CHUNK_BYTES, iter_regions, plan_chunks
+from ..chunking import DEFAULT_CHUNK_BYTES, Region, iter_regions, plan_chunks
 from ..errors import CheckpointError
 from ..stores.hdf5.sharded import deferred_source_checks
 from .collective import Collective, stage
@@ -37,13 +41,57 @@ def stored_boxes(ck: Checkpoint, name: str) -> list[Box]:
     return [Box.whole(entry.shape or (1,))]
 
 
-def _verify_units(ck: Checkpoint, names: list[str]) -> list[tuple[str, int | None]]:
-    """(name, shard number) of every stored shard; (name, None) for a tensor saved whole."""
-    units: list[tuple[str, int | None]] = []
-    for name in names:
-        count = len(ck.shards(name))
-        units.extend((name, k) for k in range(count)) if count else units.append((name, None))
-    return units
+KEPT_BYTES = 64 << 20
+"""Verified shard words a rank keeps in memory to install without reading them again."""
+UNIT_COST = 64 << 10
+"""The fixed cost of verifying one shard, in bytes of reading, when balancing ranks' shares."""
+
+Unit = tuple[str, "int | None", Box]
+
+
+def _verify_units(ck: Checkpoint, names: list[str]) -> tuple[list[Unit], list[int]]:
+    """(name, shard number, box) of every stored shard, (name, None, whole box) for a tensor
+    saved whole; and the positions of the units whose checker also checks the tensor's
+    metadata (one per tensor, the ``i``-th tensor's ``i % shards``-th shard: spread over the
+    checking ranks)."""
+    units: list[Unit] = []
+    metadata: list[int] = []
+    for i, name in enumerate(names):
+        shards = ck.shards(name)
+        metadata.append(len(units) + (i % len(shards) if shards else 0))
+        if shards:
+            units.extend((name, k, s.box) for k, s in enumerate(shards))
+        else:
+            units.append((name, None, stored_boxes(ck, name)[0]))
+    return units, metadata
+
+
+def _holds(outer: Box | None, inner: Box) -> bool:
+    return outer is not None and all(
+        o <= i and i + n <= o + m
+        for o, m, i, n in zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths))
+
+
+def assign_verifiers(units: list[Unit], itemsizes: dict[str, int],
+                     holders: list[dict[str, Box]]) -> list[int]:
+    """The rank that checks each unit: among the ranks whose box holds the whole unit (they
+    read it anyway to install it), else among all ranks, the one with the least bytes assigned
+    so far (lowest rank on ties). Pure: every rank computes the same list."""
+    load = [0] * len(holders)
+    everyone = range(len(holders))
+    out = []
+    for name, _k, box in units:
+        fit = [r for r in everyone if _holds(holders[r].get(name), box)] or everyone
+        rank = min(fit, key=lambda r: (load[r], r))
+        load[rank] += box.size * itemsizes[name] + UNIT_COST
+        out.append(rank)
+    return out
+
+
+def _boxes_json(pieces: list[Piece], names: list[str]) -> dict[str, list[list[int]]]:
+    wanted = set(names)
+    return {p.name: [list(p.box.offsets), list(p.box.lengths)] for p in pieces
+            if p.name in wanted and not p.box.empty}
 
 
 def plan_reads(piece: Piece, stored: list[Box]) -> list[Box]:
@@ -83,16 +131,20 @@ def load(
                 missing=[n for n in expected.names() if n not in ck.layout],
                 unexpected=[n for n in ck.layout.names() if n not in expected],
             )
-            check_planned_reads(ck, pieces, names)  # before anything is installed
-            st.share(strided_boxes(pieces))
-        check_target_cover(st.shared)
+            # before anything is installed (with verify, each tensor's metadata is checked by
+            # one rank in the verify stage)
+            check_planned_reads(ck, pieces, names, metadata=not verify)
+            st.share({"strided": strided_boxes(pieces), "boxes": _boxes_json(pieces, names)})
+        check_target_cover([report["strided"] for report in st.shared])
+        holders = [{n: Box.of(*b) for n, b in report["boxes"].items()} for report in st.shared]
         assert ck is not None
+        kept: dict[tuple[str, Box], list[tuple[Region, Any]]] = {}
         if verify:  # 2. verify
-            verify_shards(ck, names, comm)
+            kept = verify_shards(ck, names, comm, holders)
         with stage(comm):  # 3. install
             by_name = {p.name: p for p in pieces}
             for name in names:
-                install_piece(ck, by_name[name], stored_boxes(ck, name), block_bytes)
+                install_piece(ck, by_name[name], stored_boxes(ck, name), block_bytes, kept)
                 result.loaded.append(name)
     finally:
         if ck is not None:
@@ -101,35 +153,73 @@ def load(
     return result
 
 
-def check_planned_reads(ck: Checkpoint, pieces: list[Piece], names: list[str]) -> None:
+def check_planned_reads(ck: Checkpoint, pieces: list[Piece], names: list[str],
+                        metadata: bool = True) -> None:
     """Have the store check everything this rank's reads will touch (the source datasets of a
-    sharded HDF5 checkpoint opened with deferred checks) before anything is installed."""
+    sharded HDF5 checkpoint opened with deferred checks) before anything is installed;
+    ``metadata``: each read tensor's own metadata too (else the verify stage checks it)."""
     by_name = {p.name: p for p in pieces}
     for name in names:
-        for part in plan_reads(by_name[name], stored_boxes(ck, name)):
+        parts = plan_reads(by_name[name], stored_boxes(ck, name))
+        if parts and metadata:
+            ck.check_metadata(name)
+        for part in parts:
             ck.check_region(name, part)
 
 
-def verify_shards(ck: Checkpoint, names: list[str], comm: Collective) -> None:
-    """Check every stored shard's digest of ``names``, each shard by one rank, round robin;
-    every rank raises if any rank found a problem."""
-    units = _verify_units(ck, names)
+def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
+                  holders: list[dict[str, Box]] | None = None
+                  ) -> dict[tuple[str, Box], list[tuple[Region, Any]]]:
+    """Check every stored shard's digest of ``names``, each shard by one rank (see
+    :func:`assign_verifiers`; ``holders``: every rank's box per name, default none); every rank
+    raises if any rank found a problem. Returns the verified blocks this rank keeps to install
+    (shards its own box holds, up to :data:`KEPT_BYTES`), by (name, shard box)."""
+    units, metadata = _verify_units(ck, names)
+    with_metadata = set(metadata)
+    holders = holders if holders is not None else [{} for _ in range(comm.size)]
+    itemsizes = {n: ck.layout[n].format.storage_dtype.itemsize
+                 * ck.layout[n].format.words_per_value for n in names}
+    ranks = assign_verifiers(units, itemsizes, holders)
+    mine = holders[comm.rank]
+    kept: dict[tuple[str, Box], list[tuple[Region, Any]]] = {}
+    room = KEPT_BYTES
     with stage(comm):
-        for name, k in units[comm.rank :: comm.size]:
-            for _ in ck.blocks(name, shard=k, reuse=True):
-                pass
-    for i, (name, k) in enumerate(units):  # what another rank checked whole: not again here
-        if k is not None and i % comm.size != comm.rank:
+        for i, ((name, k, box), rank) in enumerate(zip(units, ranks)):
+            if rank != comm.rank:
+                continue
+            if i in with_metadata:  # the tensor's own metadata, for every rank
+                ck.check_metadata(name)
+            keep = _holds(mine.get(name), box) and box.size * itemsizes[name] <= room
+            blocks = list(ck.blocks(name, shard=k)) if keep else None
+            if blocks is None:
+                for _ in ck.blocks(name, shard=k, reuse=True):
+                    pass
+                continue
+            kept[name, box] = blocks  # whole: every chunk and the digest checked
+            room -= box.size * itemsizes[name]
+    for i, ((name, k, _box), rank) in enumerate(zip(units, ranks)):
+        if rank == comm.rank:  # checked by another rank: not again here
+            continue
+        if k is not None:
             ck.checked_elsewhere(name, k)
+        if i in with_metadata:
+            ck.metadata_checked_elsewhere(name)
+    return kept
 
 
-def install_piece(ck: Checkpoint, piece: Piece, stored: list[Box], block_bytes: int) -> None:
+def install_piece(ck: Checkpoint, piece: Piece, stored: list[Box], block_bytes: int,
+                  kept: dict[tuple[str, Box], list[tuple[Region, Any]]] | None = None) -> None:
     entry = ck.layout[piece.name]
     if entry.format != piece.format:  # the layout check makes this unreachable
         raise CheckpointError(f"{piece.name!r}: format differs from the checkpoint")
     target = piece.target()
     itemsize = entry.format.storage_dtype.itemsize * entry.format.words_per_value
     for part in plan_reads(piece, stored):
+        blocks = (kept or {}).get((piece.name, part))
+        if blocks is not None:  # verified whole by this rank: from memory
+            for region, words in blocks:
+                target.write(piece.box.local(region), words)
+            continue
         unit = plan_chunks(part.lengths, itemsize, block_bytes)
         for local in iter_regions(part.lengths, unit):
             region = tuple(slice(s.start + o, s.stop + o) for s, o in zip(local, part.offsets))
