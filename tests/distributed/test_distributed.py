@@ -300,6 +300,14 @@ def _write_zarr_meta(meta_path: Path, meta: dict) -> None:
     root_path.write_text(json.dumps(root))
 
 
+def _fixed(text: str) -> np.ndarray:
+    """``text`` as a fixed-length UTF-8 string attribute, as lean_store writes strings."""
+    import h5py
+
+    data = text.encode()
+    return np.array(data, dtype=h5py.string_dtype("utf-8", len(data)))
+
+
 def _tamper(out: Path) -> None:
     import shutil
 
@@ -319,8 +327,13 @@ def _tamper(out: Path) -> None:
     with h5py.File(out / "overlap.h5" / "lean_store.h5", "r+") as f:
         shards = json.loads(f["0.weight"].attrs["shards"])
         shards[1]["offsets"][0] -= 1
-        text = json.dumps(shards).encode()  # fixed-length, as lean_store writes strings
-        f["0.weight"].attrs["shards"] = np.array(text, dtype=h5py.string_dtype("utf-8", len(text)))
+        text = json.dumps(shards)
+        f["0.weight"].attrs["shards"] = _fixed(text)
+        # and its record in the master manifest (a consistent edit, as for Zarr above)
+        manifest = json.loads(f.attrs["master_manifest"])
+        (record,) = [r for r in manifest["tensors"] if r["node"] == "0.weight"]
+        record["attrs"]["shards"] = text
+        f.attrs["master_manifest"] = _fixed(json.dumps(manifest))
     shutil.copytree(out / "ck.zarr", out / "corrupt.zarr")
     _meta_path, meta = _zarr_shards(out / "corrupt.zarr", "0.weight")
     shards = json.loads(meta["attributes"]["shards"])
