@@ -8,21 +8,28 @@ anything unless all can:
 1. validate: header, layout against the target, recorded shards cover every tensor exactly
    once (done when the checkpoint is opened), the master file's mappings;
 2. verify (``verify=True``): every stored shard's digest, each shard checked by one rank, so
-   the whole checkpoint is read once in total across ranks. A shard goes to a rank whose own
-   box holds all of it where there is one (the least loaded such rank), else to the least
-   loaded rank; that rank keeps the verified words (up to :data:`KEPT_BYTES`) and installs
-   them from memory, so a same-placement load reads each shard once and a rank opens only what
-   it installs;
+   the whole checkpoint is read once in total across ranks, and each tensor's own metadata by
+   one rank. A shard goes to a rank whose own box holds all of it where there is one (its
+   writer if that is one of them, else the least loaded), else to the least loaded rank; that
+   rank keeps the verified words (up to :data:`KEPT_BYTES`) and installs them from memory, and
+   sends a small shard that other ranks hold too (up to :data:`SENT_BYTES`: step counts) to
+   them in its agreement, each receiver checking it against its digest. So a same-placement
+   load reads each shard once, by the rank that wrote it. Everything the install will read
+   from the store is checked in this stage too;
 3. install: each rank reads the intersections of its boxes with the stored shards, in bounded
    blocks, and copies them into its local tensors.
 """
 
 from __future__ import annotations
 
+import base64
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..chunking import DEFAULT_CHUNK_BYTES, Region, iter_regions, plan_chunks
-from ..errors import CheckpointError
+from ..errors import CheckpointError, IntegrityError
+from ..integrity import crc32c_update
 from ..stores.hdf5.sharded import deferred_source_checks
 from .collective import Collective, stage
 from .dtensor_blocks import check_target_cover
@@ -73,16 +80,19 @@ def _holds(outer: Box | None, inner: Box) -> bool:
 
 
 def assign_verifiers(units: list[Unit], itemsizes: dict[str, int],
-                     holders: list[dict[str, Box]]) -> list[int]:
+                     holders: list[dict[str, Box]], writers: list[int | None] | None = None
+                     ) -> list[int]:
     """The rank that checks each unit: among the ranks whose box holds the whole unit (they
-    read it anyway to install it), else among all ranks, the one with the least bytes assigned
-    so far (lowest rank on ties). Pure: every rank computes the same list."""
+    read it anyway to install it), else among all ranks: the rank that wrote it (``writers``,
+    so a rank opens the files it wrote) if it is one of them, else the one with the least bytes
+    assigned so far (lowest rank on ties). Pure: every rank computes the same list."""
     load = [0] * len(holders)
     everyone = range(len(holders))
     out = []
-    for name, _k, box in units:
+    for i, (name, _k, box) in enumerate(units):
         fit = [r for r in everyone if _holds(holders[r].get(name), box)] or everyone
-        rank = min(fit, key=lambda r: (load[r], r))
+        writer = None if writers is None else writers[i]
+        rank = writer if writer in fit else min(fit, key=lambda r: (load[r], r))
         load[rank] += box.size * itemsizes[name] + UNIT_COST
         out.append(rank)
     return out
@@ -131,16 +141,15 @@ def load(
                 missing=[n for n in expected.names() if n not in ck.layout],
                 unexpected=[n for n in ck.layout.names() if n not in expected],
             )
-            # before anything is installed (with verify, each tensor's metadata is checked by
-            # one rank in the verify stage)
-            check_planned_reads(ck, pieces, names, metadata=not verify)
+            if not verify:  # before anything is installed (else in the verify stage)
+                check_planned_reads(ck, pieces, names)
             st.share({"strided": strided_boxes(pieces), "boxes": _boxes_json(pieces, names)})
         check_target_cover([report["strided"] for report in st.shared])
         holders = [{n: Box.of(*b) for n, b in report["boxes"].items()} for report in st.shared]
         assert ck is not None
         kept: dict[tuple[str, Box], list[tuple[Region, Any]]] = {}
         if verify:  # 2. verify
-            kept = verify_shards(ck, names, comm, holders)
+            kept = verify_shards(ck, names, comm, holders, pieces)
         with stage(comm):  # 3. install
             by_name = {p.name: p for p in pieces}
             for name in names:
@@ -153,58 +162,118 @@ def load(
     return result
 
 
-def check_planned_reads(ck: Checkpoint, pieces: list[Piece], names: list[str],
-                        metadata: bool = True) -> None:
-    """Have the store check everything this rank's reads will touch (the source datasets of a
-    sharded HDF5 checkpoint opened with deferred checks) before anything is installed;
-    ``metadata``: each read tensor's own metadata too (else the verify stage checks it)."""
+def check_planned_reads(ck: Checkpoint, pieces: list[Piece], names: list[str]) -> None:
+    """Have the store check everything this rank's reads will touch (each tensor's metadata,
+    the source datasets of a sharded HDF5 checkpoint opened with deferred checks) before
+    anything is installed: a load without the verify stage."""
     by_name = {p.name: p for p in pieces}
     for name in names:
         parts = plan_reads(by_name[name], stored_boxes(ck, name))
-        if parts and metadata:
+        if parts:
             ck.check_metadata(name)
         for part in parts:
             ck.check_region(name, part)
 
 
 def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
-                  holders: list[dict[str, Box]] | None = None
+                  holders: list[dict[str, Box]] | None = None,
+                  pieces: list[Piece] | None = None,
                   ) -> dict[tuple[str, Box], list[tuple[Region, Any]]]:
     """Check every stored shard's digest of ``names``, each shard by one rank (see
-    :func:`assign_verifiers`; ``holders``: every rank's box per name, default none); every rank
-    raises if any rank found a problem. Returns the verified blocks this rank keeps to install
-    (shards its own box holds, up to :data:`KEPT_BYTES`), by (name, shard box)."""
+    :func:`assign_verifiers`; ``holders``: every rank's box per name, default none), and each
+    tensor's metadata by one rank; every rank raises if any rank found a problem. Returns the
+    verified blocks this rank installs from memory, by (name, shard box): shards its own box
+    holds (up to :data:`KEPT_BYTES`), and small shards another rank checked and sent (each
+    checked again here against its recorded digest).
+
+    ``pieces`` (this rank's targets): in the same stage, the store checks everything the
+    install will read from it (:func:`check_planned_reads`' check of the other parts)."""
     units, metadata = _verify_units(ck, names)
     with_metadata = set(metadata)
     holders = holders if holders is not None else [{} for _ in range(comm.size)]
     itemsizes = {n: ck.layout[n].format.storage_dtype.itemsize
                  * ck.layout[n].format.words_per_value for n in names}
-    ranks = assign_verifiers(units, itemsizes, holders)
+    writers = [None if k is None else ck.shards(name)[k].rank for name, k, _box in units]
+    ranks = assign_verifiers(units, itemsizes, holders, writers)
     mine = holders[comm.rank]
+    sent = {i for i, ((name, k, box), rank) in enumerate(zip(units, ranks))
+            if k is not None and box.size * itemsizes[name] <= SENT_BYTES
+            and any(_holds(h.get(name), box) for r, h in enumerate(holders) if r != rank)}
     kept: dict[tuple[str, Box], list[tuple[Region, Any]]] = {}
     room = KEPT_BYTES
-    with stage(comm):
+    with stage(comm) as st:
+        if pieces is not None:  # what the install will read from the store, checked now
+            from_memory = {(name, box) for i, ((name, _k, box), rank) in enumerate(
+                zip(units, ranks)) if rank == comm.rank or i in sent}
+            _check_other_reads(ck, pieces, names, from_memory)
+        outgoing: dict[str, list[list[Any]]] = {}
         for i, ((name, k, box), rank) in enumerate(zip(units, ranks)):
             if rank != comm.rank:
                 continue
             if i in with_metadata:  # the tensor's own metadata, for every rank
                 ck.check_metadata(name)
-            keep = _holds(mine.get(name), box) and box.size * itemsizes[name] <= room
-            blocks = list(ck.blocks(name, shard=k)) if keep else None
-            if blocks is None:
+            keep = i in sent or (_holds(mine.get(name), box)
+                                 and box.size * itemsizes[name] <= room)
+            if not keep:
                 for _ in ck.blocks(name, shard=k, reuse=True):
                     pass
                 continue
-            kept[name, box] = blocks  # whole: every chunk and the digest checked
-            room -= box.size * itemsizes[name]
-    for i, ((name, k, _box), rank) in enumerate(zip(units, ranks)):
+            blocks = list(ck.blocks(name, shard=k))  # whole: every chunk and the digest checked
+            if i in sent:
+                outgoing[str(i)] = [[list(b.offsets), list(b.lengths),
+                                     base64.b64encode(np.ascontiguousarray(w)).decode()]
+                                    for b, w in ((_box_of(r), w) for r, w in blocks)]
+            if _holds(mine.get(name), box):
+                kept[name, box] = blocks
+                room -= box.size * itemsizes[name]
+        st.share(outgoing)
+    for i, ((name, k, box), rank) in enumerate(zip(units, ranks)):
         if rank == comm.rank:  # checked by another rank: not again here
             continue
         if k is not None:
             ck.checked_elsewhere(name, k)
         if i in with_metadata:
             ck.metadata_checked_elsewhere(name)
+        if i in sent and _holds(mine.get(name), box):
+            kept[name, box] = _received(ck, name, ck.shards(name)[k], st.shared[rank][str(i)])
     return kept
+
+
+SENT_BYTES = 4096
+"""Shards at most this large that several ranks install (replicated step counts, biases) are
+read by their checking rank only, which sends the words to the others in its agreement."""
+
+
+def _box_of(region: Region) -> Box:
+    return Box(tuple(s.start for s in region), tuple(s.stop - s.start for s in region))
+
+
+def _received(ck: Checkpoint, name: str, shard: Any, items: list[list[Any]]
+              ) -> list[tuple[Region, Any]]:
+    """The blocks of ``shard`` another rank sent, checked against its recorded digest."""
+    fmt = ck.layout[name].format
+    pair = (2,) if fmt.words_per_value == 2 else ()
+    blocks, crc = [], 0
+    for offsets, lengths, text in items:
+        words = np.frombuffer(base64.b64decode(text), dtype=fmt.storage_dtype)
+        words = words.reshape(tuple(lengths) + pair)
+        crc = crc32c_update(crc, words)
+        blocks.append((Box.of(offsets, lengths).region(), words))
+    if crc != shard.crc32c:  # a peer's bytes are checked like the store's
+        raise IntegrityError(f"tensor {name!r}: shard {shard.box} as received from the rank "
+                             f"that checked it has crc32c {crc:#010x}, the recorded digest is "
+                             f"{shard.crc32c:#010x}")
+    return blocks
+
+
+def _check_other_reads(ck: Checkpoint, pieces: list[Piece], names: list[str],
+                       from_memory: set[tuple[str, Box]]) -> None:
+    """:func:`check_planned_reads` (metadata apart) of the parts not installed from memory."""
+    by_name = {p.name: p for p in pieces}
+    for name in names:
+        for part in plan_reads(by_name[name], stored_boxes(ck, name)):
+            if (name, part) not in from_memory:
+                ck.check_region(name, part)
 
 
 def install_piece(ck: Checkpoint, piece: Piece, stored: list[Box], block_bytes: int,
