@@ -235,7 +235,7 @@ def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
         if i in with_metadata:
             ck.metadata_checked_elsewhere(name)
         if i in sent and _holds(mine.get(name), box):
-            kept[name, box] = _received(ck, name, ck.shards(name)[k], st.shared[rank][str(i)])
+            kept[name, box] = received_blocks(ck, name, ck.shards(name)[k], st.shared[rank][str(i)])
     return kept
 
 
@@ -248,7 +248,7 @@ def _box_of(region: Region) -> Box:
     return Box(tuple(s.start for s in region), tuple(s.stop - s.start for s in region))
 
 
-def _received(ck: Checkpoint, name: str, shard: Any, items: list[list[Any]]
+def received_blocks(ck: Checkpoint, name: str, shard: Any, items: list[list[Any]]
               ) -> list[tuple[Region, Any]]:
     """The blocks of ``shard`` another rank sent, checked against its recorded digest."""
     fmt = ck.layout[name].format
