@@ -41,10 +41,11 @@ def describe(pieces: list[Piece]) -> dict[str, Any]:
 def make_plan(descriptions: list[dict[str, Any]]) -> tuple[Layout, list[TensorPlan]]:
     """Check that every rank has the same layout and that each tensor's distinct shards cover
     it exactly once; returns the layout and one plan per tensor."""
-    layouts = [Layout.from_json(d["layout"]) for d in descriptions]
-    layout = layouts[0]
-    for rank, other in enumerate(layouts[1:], start=1):
-        diffs = other.diff(layout)
+    layout = Layout.from_json(descriptions[0]["layout"])
+    for rank, d in enumerate(descriptions[1:], start=1):
+        if d["layout"] == descriptions[0]["layout"]:  # the same JSON: the same layout
+            continue
+        diffs = Layout.from_json(d["layout"]).diff(layout)
         if diffs:
             lines = "\n".join(f"  - {d}" for d in diffs)
             raise LayoutError(f"rank {rank} holds a different state than rank 0:\n{lines}", diffs)
