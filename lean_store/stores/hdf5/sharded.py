@@ -164,8 +164,9 @@ class ShardedHDF5Reader(HDF5Reader):
         self._checked: dict[tuple[str, str], StoredTensor] = {}  # (file, dataset) -> checked
         self._attr_names: list[str] | None = None  # the attribute names of the last dataset
         self._trusted: dict[str, list[str]] = {}  # file -> datasets checked by another rank
-        # the master manifest (parsed on first use, after the header checks): nodes described
-        # from it have their master dataset checked before their first read (_check_master)
+        # the master manifest (parsed on first use, after the header checks): inside
+        # deferred_source_checks nodes are described from it, and their master datasets are
+        # compared with it by check_metadata (_check_master)
         self._master_text = self.root_attrs.pop(MASTER_MANIFEST_ATTR, None)
         self._master_records: dict[str, MasterRecord] | None = None
         self._from_master: set[str] = set()  # described from the manifest, not yet checked
@@ -253,6 +254,9 @@ class ShardedHDF5Reader(HDF5Reader):
         :func:`deferred_source_checks` only: a sharded load reads it straight from the shard
         files the record names, and has its master dataset compared with the record
         (:meth:`check_metadata`) by one rank before any rank installs anything."""
+        known = self._infos.get(node)
+        if known is not None:  # described already (and maybe checked): the same description
+            return known
         attrs = dict(record.attrs)
         attrs["virtual_boxes"] = [box.to_json() for box, _, _ in record.sources]
         info = StoredTensor(
