@@ -202,6 +202,13 @@ def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
     kept: dict[tuple[str, Box], list[tuple[Region, Any]]] = {}
     room = KEPT_BYTES
     with stage(comm) as st:
+        # a tensor whose metadata another rank checks in this stage is not checked again by
+        # this rank's reads: nothing read here is installed before the agreement that closes
+        # the stage, which carries that rank's verdict (reads follow the description the
+        # checkpoint was opened from, not the metadata being compared)
+        for i in with_metadata:
+            if ranks[i] != comm.rank:
+                ck.metadata_checked_elsewhere(units[i][0])
         if pieces is not None:  # what the install will read from the store, checked now
             from_memory = {(name, box) for i, ((name, _k, box), rank) in enumerate(
                 zip(units, ranks)) if rank == comm.rank or i in sent}
@@ -232,8 +239,6 @@ def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
             continue
         if k is not None:
             ck.checked_elsewhere(name, k)
-        if i in with_metadata:
-            ck.metadata_checked_elsewhere(name)
         if i in sent and _holds(mine.get(name), box):
             kept[name, box] = received_blocks(ck, name, ck.shards(name)[k], st.shared[rank][str(i)])
     return kept

@@ -1,9 +1,10 @@
-"""The master manifest of sharded HDF5 checkpoints (issue 13; docs/FORMAT.md 6.1.1): a sharded
-load reads every tensor's metadata from it once, yet a master dataset whose attributes or
-virtual mappings were changed after the save is still refused on every rank before anything is
-installed (each master dataset compared by one rank, with verify; by every rank reading it,
-without), by a single-process read and by ``verify``; masters written before the manifest
-existed still load."""
+"""Each tensor's own metadata in a sharded load (issue 13). The master manifest of sharded HDF5
+checkpoints (docs/FORMAT.md 6.1.1): a sharded load reads every tensor's metadata from it once,
+yet a master dataset whose attributes or virtual mappings were changed after the save is still
+refused on every rank before anything is installed (each master dataset compared by one rank,
+with verify; by every rank reading it, without), by a single-process read and by ``verify``;
+masters written before the manifest existed still load. Zarr: an array's own ``zarr.json``
+changed after the save is refused the same way, each compared by one rank."""
 
 from __future__ import annotations
 
@@ -77,6 +78,11 @@ def _tamper(out: Path) -> None:
     shutil.copytree(out / "ck.h5", out / "old.h5")  # written before the manifest existed
     with h5py.File(out / "old.h5" / MASTER, "r+") as f:
         del f.attrs["master_manifest"]
+    shutil.copytree(out / "ck.zarr", out / "doc.zarr")  # v's own zarr.json, not the root copy
+    doc_path = out / "doc.zarr" / "v" / "zarr.json"
+    doc = json.loads(doc_path.read_text())
+    doc["attributes"]["width"] = 16
+    doc_path.write_text(json.dumps(doc))
 
 
 def scenario_manifest(rank: int, world: int, out: Path) -> dict:
@@ -86,10 +92,13 @@ def scenario_manifest(rank: int, world: int, out: Path) -> dict:
     from lean_store.stores.hdf5 import sharded
 
     ls.save(_state(rank), out / "ck.h5")
+    ls.save(_state(rank), out / "ck.zarr")
     dist.barrier()
     if rank == 0:
         _tamper(out)
     dist.barrier()
+    from lean_store.checkpoint import Checkpoint
+
     compared: list[str] = []
     real = sharded.master_differences
 
@@ -98,7 +107,23 @@ def scenario_manifest(rank: int, world: int, out: Path) -> dict:
         return real(record, *args)
 
     sharded.master_differences = counting
+    asked: list[str] = []
+    real_check = Checkpoint.check_metadata
+
+    def asking(self, name):
+        asked.append(name)
+        return real_check(self, name)
+
+    Checkpoint.check_metadata = asking
     rec: dict = {}
+    for verify in (True, False):
+        asked.clear()
+        target = _state(rank, fill=-1.0)
+        ls.load(target, out / "ck.zarr", verify=verify)
+        want = _state(rank)
+        rec[f"ck.zarr verify={verify}"] = {
+            "good": all(target[k].tensor.equal(want[k].tensor) for k in ROWS),
+            "compared": sorted(asked)}
     for name in ("ck.h5", "old.h5"):
         for verify in (True, False):
             compared.clear()
@@ -108,7 +133,7 @@ def scenario_manifest(rank: int, world: int, out: Path) -> dict:
             rec[f"{name} verify={verify}"] = {
                 "good": all(target[k].tensor.equal(want[k].tensor) for k in ROWS),
                 "compared": sorted(compared)}
-    for name in ("attr.h5", "swapped.h5"):
+    for name in ("attr.h5", "swapped.h5", "doc.zarr"):
         for verify in (True, False):
             target = _state(rank, fill=-1.0)
             got = outcome(lambda t=target, n=name, v=verify: ls.load(t, out / n, verify=v))
@@ -146,6 +171,14 @@ def test_the_master_file_holds_a_manifest_readable_by_h5py(world) -> None:
         assert np.array_equal(f["v"][...], _whole("v"))  # h5py alone, through the mappings
 
 
+def test_a_zarr_load_compares_each_array_document_once_across_ranks_with_verify(world):
+    _out, recs = world
+    assert all(r[f"ck.zarr verify={v}"]["good"] for r in recs for v in (True, False))
+    with_verify = [r["ck.zarr verify=True"]["compared"] for r in recs]
+    assert sorted(n for c in with_verify for n in c) == sorted(ROWS)
+    assert all(r["ck.zarr verify=False"]["compared"] == sorted(ROWS) for r in recs)
+
+
 def test_a_load_compares_each_master_dataset_once_across_ranks_with_verify(world) -> None:
     _out, recs = world
     for name in ("ck.h5", "old.h5"):
@@ -160,13 +193,15 @@ def test_a_load_compares_each_master_dataset_once_across_ranks_with_verify(world
 
 
 @pytest.mark.parametrize("case", ["attr.h5 verify=True", "attr.h5 verify=False",
-                                  "swapped.h5 verify=True", "swapped.h5 verify=False"])
-def test_a_changed_master_dataset_is_refused_on_every_rank_before_install(world, case) -> None:
+                                  "swapped.h5 verify=True", "swapped.h5 verify=False",
+                                  "doc.zarr verify=True", "doc.zarr verify=False"])
+def test_changed_tensor_metadata_is_refused_on_every_rank_before_install(world, case) -> None:
     _out, recs = world
+    words = "disagrees with its copy" if case.startswith("doc") else "changed after the save"
     for r in recs:
         got = r[case]
         assert got["type"] == "IntegrityError", (case, got)
-        assert "'v'" in got["message"] and "changed after the save" in got["message"], got
+        assert "'v'" in got["message"] and words in got["message"], got
         assert got["unchanged"], (case, got)
     assert len({r[case]["message"] for r in recs}) == 1  # the same error everywhere
 
