@@ -196,9 +196,7 @@ def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
     writers = [None if k is None else ck.shards(name)[k].rank for name, k, _box in units]
     ranks = assign_verifiers(units, itemsizes, holders, writers)
     mine = holders[comm.rank]
-    sent = {i for i, ((name, k, box), rank) in enumerate(zip(units, ranks))
-            if k is not None and box.size * itemsizes[name] <= SENT_BYTES
-            and any(_holds(h.get(name), box) for r, h in enumerate(holders) if r != rank)}
+    sent = sent_units(units, ranks, itemsizes, holders)
     kept: dict[tuple[str, Box], list[tuple[Region, Any]]] = {}
     room = KEPT_BYTES
     with stage(comm) as st:
@@ -246,7 +244,26 @@ def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
 
 SENT_BYTES = 4096
 """Shards at most this large that several ranks install (replicated step counts, biases) are
-read by their checking rank only, which sends the words to the others in its agreement."""
+read by their checking rank only, which sends the words to the others in its agreement..."""
+SENT_TOTAL = 1 << 20
+"""... up to this many bytes in all (the rest are read by each rank), so what an agreement
+carries stays bounded however many ranks and tensors there are."""
+
+
+def sent_units(units: list[Unit], ranks: list[int], itemsizes: dict[str, int],
+               holders: list[dict[str, Box]]) -> set[int]:
+    """The units their checking rank sends to the others: recorded shards of at most
+    :data:`SENT_BYTES` that another rank holds whole, in order until :data:`SENT_TOTAL` bytes.
+    Pure: every rank computes the same set."""
+    sent: set[int] = set()
+    budget = SENT_TOTAL  # what every rank receives, all senders together
+    for i, ((name, k, box), rank) in enumerate(zip(units, ranks)):
+        nbytes = box.size * itemsizes[name]
+        if k is not None and nbytes <= min(SENT_BYTES, budget) and any(
+                _holds(h.get(name), box) for r, h in enumerate(holders) if r != rank):
+            sent.add(i)
+            budget -= nbytes
+    return sent
 
 
 def _box_of(region: Region) -> Box:

@@ -11,7 +11,13 @@ import pytest
 
 from lean_store.distributed.plan import METADATA_COST, make_plan
 from lean_store.distributed.shard_spec import Box
-from lean_store.distributed.sharded_load import assign_verifiers, received_blocks
+from lean_store.distributed.sharded_load import (
+    SENT_BYTES,
+    SENT_TOTAL,
+    assign_verifiers,
+    received_blocks,
+    sent_units,
+)
 from lean_store.errors import IntegrityError
 from lean_store.integrity import crc32c_of
 from lean_store.layout import Layout
@@ -76,3 +82,16 @@ def test_words_received_from_another_rank_are_checked_against_the_digest() -> No
     forged = [[0], [1], base64.b64encode(np.array([8], np.int64).tobytes()).decode()]
     with pytest.raises(IntegrityError, match="recorded digest"):
         received_blocks(_Ck(), "s", _Shard(), [forged])
+
+
+def test_small_shards_other_ranks_hold_are_sent_within_a_total_bound() -> None:
+    one = Box((0,), (1,))
+    everyone = [{"s": one, "w": Box((0,), (4,))}, {"s": one, "w": Box((4,), (4,))}]
+    units = [("s", 0, one), ("w", 0, Box((0,), (4,))), ("s", None, one)]
+    # a replicated step count: sent; a shard only its checker holds, or a tensor saved whole
+    # (no recorded shard digest to check it against): not
+    assert sent_units(units, [0, 0, 1], {"s": 8, "w": 4}, everyone) == {0}
+    assert sent_units(units[:1], [0], {"s": SENT_BYTES + 1, "w": 4}, everyone) == set()
+    many = [("s", 0, one)] * (SENT_TOTAL // SENT_BYTES + 3)
+    sent = sent_units(many, [0] * len(many), {"s": SENT_BYTES}, everyone)
+    assert sent == set(range(SENT_TOTAL // SENT_BYTES))  # then the rest are read by each
