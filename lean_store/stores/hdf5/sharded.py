@@ -30,7 +30,7 @@ from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5d, h5p, h5s
+from h5py import h5d, h5o, h5p, h5s
 
 from ...chunking import plan_chunks
 from ...distributed.plan import TensorPlan
@@ -99,11 +99,40 @@ def shard_entry(plan: TensorPlan, k: int, box: Box) -> Entry:
 
 def write_master(work: str, world: int, plans: list[TensorPlan], records: list[str],
                  root_attrs: dict[str, Any], chunk_bytes: int) -> None:
-    """Rank 0, after every rank succeeded: the master file, ``complete`` written last."""
+    """Rank 0, after every rank succeeded: the master file, ``complete`` written last. Its
+    datasets come from :func:`write_master_datasets` when rank 0 wrote them during the write
+    stage (a master without ``complete`` in the work directory), else are written here."""
     path = Path(work) / MASTER_NAME
+    if not path.exists():
+        write_master_datasets(work, world, plans, chunk_bytes)
     manifest: list[dict[str, Any]] = []
-    with h5py.File(path, "w", libver=MASTER_LIBVER, track_order=True) as f:
+    with h5py.File(path, "r+", libver=MASTER_LIBVER) as f:
         for plan, shards in zip(plans, records):
+            entry = plan.entry
+            node = node_name(entry.name)
+            dset = h5o.open(f.id, node.encode())
+            write_attrs(dset, {"shards": shards})
+            attrs = {**tensor_attrs(entry, storage_kind(entry.format)), "shards": shards}
+            sources = [] if math.prod(plan.stored_shape) == 0 else [
+                (box, shard_file_name(owner, world), "/" + source_name(entry.index, k))
+                for k, (box, owner) in enumerate(plan.shards)]
+            manifest.append(master_record_json(node, attrs, plan.stored_shape, sources))
+        # every dataset's record in one read (docs/FORMAT.md 6.1.1)
+        f.attrs[MASTER_MANIFEST_ATTR] = to_hdf5_attr(master_manifest_text(manifest))
+        for key, value in root_attrs.items():
+            f.attrs[key] = to_hdf5_attr(value)
+        f.attrs["complete"] = 1  # written last: a master without it is incomplete
+
+
+def write_master_datasets(work: str, world: int, plans: list[TensorPlan],
+                          chunk_bytes: int) -> None:
+    """Rank 0: the master file's datasets (each virtual dataset's mappings and the tensor's
+    attributes, all but ``shards``, which needs every rank's digests), without root
+    attributes. Done during the write stage, alongside the other ranks' shard writes, so the
+    commit adds only the shard records, the manifest and the root attributes."""
+    path = Path(work) / MASTER_NAME
+    with h5py.File(path, "w", libver=MASTER_LIBVER, track_order=True) as f:
+        for plan in plans:
             entry = plan.entry
             shape = plan.stored_shape
             ftype = hdf5_type(entry.format)
@@ -112,27 +141,17 @@ def write_master(work: str, world: int, plans: list[TensorPlan], records: list[s
             if math.prod(shape) == 0:
                 dcpl.set_chunk(plan_chunks(shape, ftype.get_size(), chunk_bytes))
                 dcpl.set_fletcher32()
-            sources = []
-            for k, (box, owner) in enumerate(plan.shards):
-                vspace = h5s.create_simple(shape)
-                vspace.select_hyperslab(box.offsets, box.lengths)
-                fname, dname = shard_file_name(owner, world), "/" + source_name(entry.index, k)
-                dcpl.set_virtual(vspace, fname.encode(), dname.encode(),
-                                 h5s.create_simple(box.lengths))
-                sources.append((box, fname, dname))
-            node = node_name(entry.name)
-            dset = h5d.create(f.id, node.encode(), ftype, h5s.create_simple(shape), dcpl=dcpl)
-            attrs = tensor_attrs(entry, storage_kind(entry.format))
-            attrs["shards"] = shards
-            write_attrs(dset, attrs)  # the types and spaces of h5py's attrs[...] = value
-            if dcpl.get_layout() != h5d.VIRTUAL:  # an empty tensor: no mappings
-                sources = []
-            manifest.append(master_record_json(node, attrs, shape, sources))
-        # every dataset's record in one read (docs/FORMAT.md 6.1.1)
-        f.attrs[MASTER_MANIFEST_ATTR] = to_hdf5_attr(master_manifest_text(manifest))
-        for key, value in root_attrs.items():
-            f.attrs[key] = to_hdf5_attr(value)
-        f.attrs["complete"] = 1  # written last: a master without it is incomplete
+            else:
+                for k, (box, owner) in enumerate(plan.shards):
+                    vspace = h5s.create_simple(shape)
+                    vspace.select_hyperslab(box.offsets, box.lengths)
+                    dcpl.set_virtual(vspace, shard_file_name(owner, world).encode(),
+                                     ("/" + source_name(entry.index, k)).encode(),
+                                     h5s.create_simple(box.lengths))
+            dset = h5d.create(f.id, node_name(entry.name).encode(), ftype,
+                              h5s.create_simple(shape), dcpl=dcpl)
+            # the types and spaces of h5py's attrs[...] = value
+            write_attrs(dset, tensor_attrs(entry, storage_kind(entry.format)))
 
 
 def is_sharded_dir(path: Any) -> bool:
@@ -540,6 +559,10 @@ class HDF5ShardedLayout(ShardedLayout):
                     compression: Any) -> RankShardWriter:
         return _HDF5RankWriter(open_rank_writer(work, rank, world, chunk_bytes, compression),
                                rank, world)
+
+    def write_metadata(self, work: str, world: int, plans: list[TensorPlan],
+                       chunk_bytes: int) -> None:
+        write_master_datasets(work, world, plans, chunk_bytes)
 
     def finish(self, work: str, world: int, plans: list[TensorPlan], records: list[str],
                root_attrs: dict[str, Any], chunk_bytes: int) -> None:
