@@ -220,6 +220,17 @@ class Checkpoint(Mapping[str, TensorHandle]):
         process, and every process agreed: the store need not compare its attributes again."""
         self._reader.checked_elsewhere(self.stored(name).node, self.shards(name)[k].box)
 
+    def check_metadata(self, name: str) -> None:
+        """Have the store check ``name``'s own metadata against what it was opened from now,
+        as a read does before its first data (Zarr: the array's ``zarr.json`` against the root's
+        copy; sharded HDF5: the master dataset against the master manifest)."""
+        self._reader.check_metadata(self.stored(name).node)
+
+    def metadata_checked_elsewhere(self, name: str) -> None:
+        """Another process ran :meth:`check_metadata` on ``name`` and every process agreed: the
+        store need not repeat it."""
+        self._reader.metadata_checked_elsewhere(self.stored(name).node)
+
     def describe(self, name: str) -> StorageDescription:
         """Chunks, codecs, compression and bytes in the store of tensor ``name``."""
         return self._reader.describe(self.stored(name).node)

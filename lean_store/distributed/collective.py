@@ -1,7 +1,8 @@
 """The few collectives a sharded save or load needs, on torch.distributed, with JSON payloads.
 
-Metadata travels as UTF-8 JSON in uint8 tensors (never pickle): ``all_gather_json`` is an
-all_gather of lengths, then of padded bytes. ``agree`` is the one place where ranks compare
+Metadata travels as UTF-8 JSON in uint8 tensors (never pickle): ``all_gather_json`` is one
+all_gather of a fixed-size buffer holding the length and, when it fits, the JSON; a longer
+payload takes a second, of padded bytes. ``agree`` is the one place where ranks compare
 outcomes: every rank reports success or its error, and if any failed, every rank raises the
 same error (type and message of the lowest failing rank). ``stage`` wraps one step of a sharded
 operation around it: a rank tries the step, its error is recorded, all ranks agree.
@@ -17,6 +18,9 @@ from typing import Any
 from ..errors import CheckpointError
 
 MAX_MESSAGE = 4000  # characters of one rank's error carried to the others
+INLINE_BYTES = 64 << 10
+"""JSON payloads up to this size travel in one all-gather (an agreement, a description of a
+few hundred tensors); longer ones take a second, of the longest payload."""
 
 
 class ShardedError(CheckpointError):
@@ -46,24 +50,31 @@ class Collective:
         )
 
     def all_gather_json(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order."""
-        torch, dist = self._torch, self._dist
+        """Every rank's ``value``, in rank order: one all-gather of a fixed-size buffer (the
+        length, then up to :data:`INLINE_BYTES` of JSON), and a second one of the longest
+        payload only when some rank's did not fit."""
         data = json.dumps(value, separators=(",", ":")).encode("utf-8")
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
-        sizes = [torch.zeros_like(size) for _ in range(self.size)]
-        dist.all_gather(sizes, size, group=self.group)
-        lengths = [int(s.item()) for s in sizes]
-        longest = max(lengths)
-        buf = torch.zeros(longest, dtype=torch.uint8)
-        if data:
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        buf = buf.to(self._device)
-        bufs = [torch.zeros(longest, dtype=torch.uint8, device=self._device) for _ in lengths]
-        dist.all_gather(bufs, buf, group=self.group)
-        return [
-            json.loads(bytes(b[:n].cpu().numpy().tobytes()).decode("utf-8"))
-            for b, n in zip(bufs, lengths)
-        ]
+        first = bytearray(8 + INLINE_BYTES)
+        first[:8] = len(data).to_bytes(8, "little")
+        if len(data) <= INLINE_BYTES:
+            first[8 : 8 + len(data)] = data
+        got = self._gather_bytes(first)
+        lengths = [int.from_bytes(b[:8], "little") for b in got]
+        if max(lengths) <= INLINE_BYTES:
+            return [json.loads(b[8 : 8 + n].decode("utf-8")) for b, n in zip(got, lengths)]
+        longest = bytearray(max(lengths))
+        longest[: len(data)] = data
+        got = self._gather_bytes(longest)
+        return [json.loads(b[:n].decode("utf-8")) for b, n in zip(got, lengths)]
+
+    def _gather_bytes(self, data: bytearray) -> list[bytes]:
+        """Every rank's ``data`` (the same length on every rank), in rank order."""
+        torch = self._torch
+        buf = torch.frombuffer(data, dtype=torch.uint8).to(self._device)
+        bufs = [torch.empty(len(data), dtype=torch.uint8, device=self._device)
+                for _ in range(self.size)]
+        self._dist.all_gather(bufs, buf, group=self.group)
+        return [b.cpu().numpy().tobytes() for b in bufs]
 
     def agree(self, error: BaseException | None, payload: Any = None) -> list[Any]:
         """Compare outcomes. Returns every rank's ``payload`` when all succeeded; otherwise

@@ -2,7 +2,7 @@
 
 A value is a DTensor (Shard/Replicate placements), a :class:`LocalShard` (a plain local tensor
 plus its global shape and offsets, for users without DTensor), or an ordinary tensor/array,
-which is replicated: every rank holds all of it and the lowest rank writes it.
+which is replicated: every rank holds all of it and one of them writes it (plan.balance_replicas).
 """
 
 from __future__ import annotations

@@ -41,10 +41,11 @@ def describe(pieces: list[Piece]) -> dict[str, Any]:
 def make_plan(descriptions: list[dict[str, Any]]) -> tuple[Layout, list[TensorPlan]]:
     """Check that every rank has the same layout and that each tensor's distinct shards cover
     it exactly once; returns the layout and one plan per tensor."""
-    layouts = [Layout.from_json(d["layout"]) for d in descriptions]
-    layout = layouts[0]
-    for rank, other in enumerate(layouts[1:], start=1):
-        diffs = other.diff(layout)
+    layout = Layout.from_json(descriptions[0]["layout"])
+    for rank, d in enumerate(descriptions[1:], start=1):
+        if d["layout"] == descriptions[0]["layout"]:  # the same JSON: the same layout
+            continue
+        diffs = Layout.from_json(d["layout"]).diff(layout)
         if diffs:
             lines = "\n".join(f"  - {d}" for d in diffs)
             raise LayoutError(f"rank {rank} holds a different state than rank 0:\n{lines}", diffs)
@@ -61,7 +62,42 @@ def make_plan(descriptions: list[dict[str, Any]]) -> tuple[Layout, list[TensorPl
                 raise strided_refusal(entry.name, placements, problems)
         shards = assign_owners(entry.shape or (1,), held, what)
         plans.append(TensorPlan(entry, tuple(shards)))
-    return layout, plans
+    return layout, balance_replicas(plans, descriptions)
+
+
+METADATA_COST = 64 << 10
+"""What writing one tensor's metadata costs rank 0 (a master dataset, a ``zarr.json``), and
+writing one shard any rank (a dataset, a chunk file), in bytes of data written, for
+:func:`balance_replicas`."""
+
+
+def balance_replicas(plans: list[TensorPlan], descriptions: list[dict[str, Any]]
+                     ) -> list[TensorPlan]:
+    """Replicas (a box several ranks hold: a bias, a step count) are written by the least loaded
+    of their holders (lowest rank on ties), counting the bytes every rank writes anyway and
+    rank 0's metadata, instead of all by the lowest rank. Pure: every rank computes the same."""
+    world = len(descriptions)
+    load = [0] * world
+    load[0] = METADATA_COST * len(plans)
+    holders: list[list[list[int]]] = []
+    for i, plan in enumerate(plans):
+        boxes = [Box.of(*d["boxes"][i]) for d in descriptions]
+        nbytes = plan.entry.format.storage_dtype.itemsize * plan.entry.format.words_per_value
+        holders.append([[r for r, b in enumerate(boxes) if b == box] for box, _ in plan.shards])
+        for (box, owner), held in zip(plan.shards, holders[-1]):
+            if len(held) == 1:
+                load[owner] += box.size * nbytes + METADATA_COST
+    out = []
+    for plan, held_by in zip(plans, holders):
+        nbytes = plan.entry.format.storage_dtype.itemsize * plan.entry.format.words_per_value
+        shards = []
+        for (box, owner), held in zip(plan.shards, held_by):
+            if len(held) > 1:
+                owner = min(held, key=lambda r: (load[r], r))
+                load[owner] += box.size * nbytes + METADATA_COST
+            shards.append((box, owner))
+        out.append(TensorPlan(plan.entry, tuple(shards)))
+    return out
 
 
 def shard_records(plan: TensorPlan, digests: dict[int, list[Any]]) -> str:

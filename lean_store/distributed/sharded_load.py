@@ -7,18 +7,29 @@ anything unless all can:
 
 1. validate: header, layout against the target, recorded shards cover every tensor exactly
    once (done when the checkpoint is opened), the master file's mappings;
-2. verify (``verify=True``): every stored shard's digest, each shard checked by one rank
-   (round robin), so the whole checkpoint is read once in total across ranks;
+2. verify (``verify=True``): every stored shard's digest, each shard checked by one rank, so
+   the whole checkpoint is read once in total across ranks, and each tensor's own metadata by
+   one rank. A shard goes to a rank whose own box holds all of it where there is one (its
+   writer if that is one of them, else the least loaded), else to the least loaded rank; that
+   rank keeps the verified words (up to :data:`KEPT_BYTES`) and installs them from memory, and
+   sends a small shard that other ranks hold too (up to :data:`SENT_BYTES`: step counts) to
+   them in its agreement, each receiver checking it against its digest. So a same-placement
+   load reads each shard once, by the rank that wrote it. Everything the install will read
+   from the store is checked in this stage too;
 3. install: each rank reads the intersections of its boxes with the stored shards, in bounded
    blocks, and copies them into its local tensors.
 """
 
 from __future__ import annotations
 
+import base64
 from typing import TYPE_CHECKING, Any
 
-from ..chunking import DEFAULT_CHUNK_BYTES, iter_regions, plan_chunks
-from ..errors import CheckpointError
+import numpy as np
+
+from ..chunking import DEFAULT_CHUNK_BYTES, Region, iter_regions, plan_chunks
+from ..errors import CheckpointError, IntegrityError
+from ..integrity import crc32c_update
 from ..stores.hdf5.sharded import deferred_source_checks
 from .collective import Collective, stage
 from .dtensor_blocks import check_target_cover
@@ -37,13 +48,60 @@ def stored_boxes(ck: Checkpoint, name: str) -> list[Box]:
     return [Box.whole(entry.shape or (1,))]
 
 
-def _verify_units(ck: Checkpoint, names: list[str]) -> list[tuple[str, int | None]]:
-    """(name, shard number) of every stored shard; (name, None) for a tensor saved whole."""
-    units: list[tuple[str, int | None]] = []
-    for name in names:
-        count = len(ck.shards(name))
-        units.extend((name, k) for k in range(count)) if count else units.append((name, None))
-    return units
+KEPT_BYTES = 64 << 20
+"""Verified shard words a rank keeps in memory to install without reading them again."""
+UNIT_COST = 64 << 10
+"""The fixed cost of verifying one shard, in bytes of reading, when balancing ranks' shares."""
+
+Unit = tuple[str, "int | None", Box]
+
+
+def _verify_units(ck: Checkpoint, names: list[str]) -> tuple[list[Unit], list[int]]:
+    """(name, shard number, box) of every stored shard, (name, None, whole box) for a tensor
+    saved whole; and the positions of the units whose checker also checks the tensor's
+    metadata (one per tensor, the ``i``-th tensor's ``i % shards``-th shard: spread over the
+    checking ranks)."""
+    units: list[Unit] = []
+    metadata: list[int] = []
+    for i, name in enumerate(names):
+        shards = ck.shards(name)
+        metadata.append(len(units) + (i % len(shards) if shards else 0))
+        if shards:
+            units.extend((name, k, s.box) for k, s in enumerate(shards))
+        else:
+            units.append((name, None, stored_boxes(ck, name)[0]))
+    return units, metadata
+
+
+def _holds(outer: Box | None, inner: Box) -> bool:
+    return outer is not None and all(
+        o <= i and i + n <= o + m
+        for o, m, i, n in zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths))
+
+
+def assign_verifiers(units: list[Unit], itemsizes: dict[str, int],
+                     holders: list[dict[str, Box]], writers: list[int | None] | None = None
+                     ) -> list[int]:
+    """The rank that checks each unit: among the ranks whose box holds the whole unit (they
+    read it anyway to install it), else among all ranks: the rank that wrote it (``writers``,
+    so a rank opens the files it wrote) if it is one of them, else the one with the least bytes
+    assigned so far (lowest rank on ties). Pure: every rank computes the same list."""
+    load = [0] * len(holders)
+    everyone = range(len(holders))
+    out = []
+    for i, (name, _k, box) in enumerate(units):
+        fit = [r for r in everyone if _holds(holders[r].get(name), box)] or everyone
+        writer = None if writers is None else writers[i]
+        rank = writer if writer in fit else min(fit, key=lambda r: (load[r], r))
+        load[rank] += box.size * itemsizes[name] + UNIT_COST
+        out.append(rank)
+    return out
+
+
+def _boxes_json(pieces: list[Piece], names: list[str]) -> dict[str, list[list[int]]]:
+    wanted = set(names)
+    return {p.name: [list(p.box.offsets), list(p.box.lengths)] for p in pieces
+            if p.name in wanted and not p.box.empty}
 
 
 def plan_reads(piece: Piece, stored: list[Box]) -> list[Box]:
@@ -83,16 +141,19 @@ def load(
                 missing=[n for n in expected.names() if n not in ck.layout],
                 unexpected=[n for n in ck.layout.names() if n not in expected],
             )
-            check_planned_reads(ck, pieces, names)  # before anything is installed
-            st.share(strided_boxes(pieces))
-        check_target_cover(st.shared)
+            if not verify:  # before anything is installed (else in the verify stage)
+                check_planned_reads(ck, pieces, names)
+            st.share({"strided": strided_boxes(pieces), "boxes": _boxes_json(pieces, names)})
+        check_target_cover([report["strided"] for report in st.shared])
+        holders = [{n: Box.of(*b) for n, b in report["boxes"].items()} for report in st.shared]
         assert ck is not None
+        kept: dict[tuple[str, Box], list[tuple[Region, Any]]] = {}
         if verify:  # 2. verify
-            verify_shards(ck, names, comm)
+            kept = verify_shards(ck, names, comm, holders, pieces)
         with stage(comm):  # 3. install
             by_name = {p.name: p for p in pieces}
             for name in names:
-                install_piece(ck, by_name[name], stored_boxes(ck, name), block_bytes)
+                install_piece(ck, by_name[name], stored_boxes(ck, name), block_bytes, kept)
                 result.loaded.append(name)
     finally:
         if ck is not None:
@@ -102,34 +163,154 @@ def load(
 
 
 def check_planned_reads(ck: Checkpoint, pieces: list[Piece], names: list[str]) -> None:
-    """Have the store check everything this rank's reads will touch (the source datasets of a
-    sharded HDF5 checkpoint opened with deferred checks) before anything is installed."""
+    """Have the store check everything this rank's reads will touch (each tensor's metadata,
+    the source datasets of a sharded HDF5 checkpoint opened with deferred checks) before
+    anything is installed: a load without the verify stage."""
     by_name = {p.name: p for p in pieces}
     for name in names:
-        for part in plan_reads(by_name[name], stored_boxes(ck, name)):
+        parts = plan_reads(by_name[name], stored_boxes(ck, name))
+        if parts:
+            ck.check_metadata(name)
+        for part in parts:
             ck.check_region(name, part)
 
 
-def verify_shards(ck: Checkpoint, names: list[str], comm: Collective) -> None:
-    """Check every stored shard's digest of ``names``, each shard by one rank, round robin;
-    every rank raises if any rank found a problem."""
-    units = _verify_units(ck, names)
-    with stage(comm):
-        for name, k in units[comm.rank :: comm.size]:
-            for _ in ck.blocks(name, shard=k, reuse=True):
-                pass
-    for i, (name, k) in enumerate(units):  # what another rank checked whole: not again here
-        if k is not None and i % comm.size != comm.rank:
+def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
+                  holders: list[dict[str, Box]] | None = None,
+                  pieces: list[Piece] | None = None,
+                  ) -> dict[tuple[str, Box], list[tuple[Region, Any]]]:
+    """Check every stored shard's digest of ``names``, each shard by one rank (see
+    :func:`assign_verifiers`; ``holders``: every rank's box per name, default none), and each
+    tensor's metadata by one rank; every rank raises if any rank found a problem. Returns the
+    verified blocks this rank installs from memory, by (name, shard box): shards its own box
+    holds (up to :data:`KEPT_BYTES`), and small shards another rank checked and sent (each
+    checked again here against its recorded digest).
+
+    ``pieces`` (this rank's targets): in the same stage, the store checks everything the
+    install will read from it (:func:`check_planned_reads`' check of the other parts)."""
+    units, metadata = _verify_units(ck, names)
+    with_metadata = set(metadata)
+    holders = holders if holders is not None else [{} for _ in range(comm.size)]
+    itemsizes = {n: ck.layout[n].format.storage_dtype.itemsize
+                 * ck.layout[n].format.words_per_value for n in names}
+    writers = [None if k is None else ck.shards(name)[k].rank for name, k, _box in units]
+    ranks = assign_verifiers(units, itemsizes, holders, writers)
+    mine = holders[comm.rank]
+    sent = sent_units(units, ranks, itemsizes, holders)
+    kept: dict[tuple[str, Box], list[tuple[Region, Any]]] = {}
+    room = KEPT_BYTES
+    with stage(comm) as st:
+        # a tensor whose metadata another rank checks in this stage is not checked again by
+        # this rank's reads: nothing read here is installed before the agreement that closes
+        # the stage, which carries that rank's verdict (reads follow the description the
+        # checkpoint was opened from, not the metadata being compared)
+        for i in with_metadata:
+            if ranks[i] != comm.rank:
+                ck.metadata_checked_elsewhere(units[i][0])
+        if pieces is not None:  # what the install will read from the store, checked now
+            from_memory = {(name, box) for i, ((name, _k, box), rank) in enumerate(
+                zip(units, ranks)) if rank == comm.rank or i in sent}
+            _check_other_reads(ck, pieces, names, from_memory)
+        outgoing: dict[str, list[list[Any]]] = {}
+        for i, ((name, k, box), rank) in enumerate(zip(units, ranks)):
+            if rank != comm.rank:
+                continue
+            if i in with_metadata:  # the tensor's own metadata, for every rank
+                ck.check_metadata(name)
+            keep = i in sent or (_holds(mine.get(name), box)
+                                 and box.size * itemsizes[name] <= room)
+            if not keep:
+                for _ in ck.blocks(name, shard=k, reuse=True):
+                    pass
+                continue
+            blocks = list(ck.blocks(name, shard=k))  # whole: every chunk and the digest checked
+            if i in sent:
+                outgoing[str(i)] = [[list(b.offsets), list(b.lengths),
+                                     base64.b64encode(np.ascontiguousarray(w)).decode()]
+                                    for b, w in ((_box_of(r), w) for r, w in blocks)]
+            if _holds(mine.get(name), box):
+                kept[name, box] = blocks
+                room -= box.size * itemsizes[name]
+        st.share(outgoing)
+    for i, ((name, k, box), rank) in enumerate(zip(units, ranks)):
+        if rank == comm.rank:  # checked by another rank: not again here
+            continue
+        if k is not None:
             ck.checked_elsewhere(name, k)
+        if i in sent and _holds(mine.get(name), box):
+            kept[name, box] = received_blocks(ck, name, ck.shards(name)[k], st.shared[rank][str(i)])
+    return kept
 
 
-def install_piece(ck: Checkpoint, piece: Piece, stored: list[Box], block_bytes: int) -> None:
+SENT_BYTES = 4096
+"""Shards at most this large that several ranks install (replicated step counts, biases) are
+read by their checking rank only, which sends the words to the others in its agreement..."""
+SENT_TOTAL = 1 << 20
+"""... up to this many bytes in all (the rest are read by each rank), so what an agreement
+carries stays bounded however many ranks and tensors there are."""
+
+
+def sent_units(units: list[Unit], ranks: list[int], itemsizes: dict[str, int],
+               holders: list[dict[str, Box]]) -> set[int]:
+    """The units their checking rank sends to the others: recorded shards of at most
+    :data:`SENT_BYTES` that another rank holds whole, in order until :data:`SENT_TOTAL` bytes.
+    Pure: every rank computes the same set."""
+    sent: set[int] = set()
+    budget = SENT_TOTAL  # what every rank receives, all senders together
+    for i, ((name, k, box), rank) in enumerate(zip(units, ranks)):
+        nbytes = box.size * itemsizes[name]
+        if k is not None and nbytes <= min(SENT_BYTES, budget) and any(
+                _holds(h.get(name), box) for r, h in enumerate(holders) if r != rank):
+            sent.add(i)
+            budget -= nbytes
+    return sent
+
+
+def _box_of(region: Region) -> Box:
+    return Box(tuple(s.start for s in region), tuple(s.stop - s.start for s in region))
+
+
+def received_blocks(ck: Checkpoint, name: str, shard: Any, items: list[list[Any]]
+              ) -> list[tuple[Region, Any]]:
+    """The blocks of ``shard`` another rank sent, checked against its recorded digest."""
+    fmt = ck.layout[name].format
+    pair = (2,) if fmt.words_per_value == 2 else ()
+    blocks, crc = [], 0
+    for offsets, lengths, text in items:
+        words = np.frombuffer(base64.b64decode(text), dtype=fmt.storage_dtype)
+        words = words.reshape(tuple(lengths) + pair)
+        crc = crc32c_update(crc, words)
+        blocks.append((Box.of(offsets, lengths).region(), words))
+    if crc != shard.crc32c:  # a peer's bytes are checked like the store's
+        raise IntegrityError(f"tensor {name!r}: shard {shard.box} as received from the rank "
+                             f"that checked it has crc32c {crc:#010x}, the recorded digest is "
+                             f"{shard.crc32c:#010x}")
+    return blocks
+
+
+def _check_other_reads(ck: Checkpoint, pieces: list[Piece], names: list[str],
+                       from_memory: set[tuple[str, Box]]) -> None:
+    """:func:`check_planned_reads` (metadata apart) of the parts not installed from memory."""
+    by_name = {p.name: p for p in pieces}
+    for name in names:
+        for part in plan_reads(by_name[name], stored_boxes(ck, name)):
+            if (name, part) not in from_memory:
+                ck.check_region(name, part)
+
+
+def install_piece(ck: Checkpoint, piece: Piece, stored: list[Box], block_bytes: int,
+                  kept: dict[tuple[str, Box], list[tuple[Region, Any]]] | None = None) -> None:
     entry = ck.layout[piece.name]
     if entry.format != piece.format:  # the layout check makes this unreachable
         raise CheckpointError(f"{piece.name!r}: format differs from the checkpoint")
     target = piece.target()
     itemsize = entry.format.storage_dtype.itemsize * entry.format.words_per_value
     for part in plan_reads(piece, stored):
+        blocks = (kept or {}).get((piece.name, part))
+        if blocks is not None:  # verified whole by this rank: from memory
+            for region, words in blocks:
+                target.write(piece.box.local(region), words)
+            continue
         unit = plan_chunks(part.lengths, itemsize, block_bytes)
         for local in iter_regions(part.lengths, unit):
             region = tuple(slice(s.start + o, s.stop + o) for s, o in zip(local, part.offsets))

@@ -189,6 +189,8 @@ def _write_shards(comm: Collective, shards: ShardedLayout, work: str, plans: lis
                 digests[f"{i}/{k}"] = [crc, list(unit)]
 
     write(alone)
+    if comm.rank == 0:  # while the other ranks still write their shards
+        shards.write_metadata(work, comm.size, plans, chunk_bytes)
     for turn in range(comm.size if in_turns else 0):  # the same on every rank
         with stage(comm):
             if turn == comm.rank:

@@ -258,6 +258,10 @@ class StoreReader(ABC):
         """The part ``box`` of ``node`` was read whole and checked by another process and every
         process agreed: a store may skip checks of it it would otherwise repeat."""
 
+    def metadata_checked_elsewhere(self, node: str) -> None:  # noqa: B027 - nothing to skip
+        """Another process ran :meth:`check_metadata` on ``node`` and every process agreed: a
+        store may skip it here."""
+
     def check_current(self) -> None:  # noqa: B027 - stores that read one open file: nothing
         """Raise :class:`~lean_store.errors.CheckpointReplacedError` when the checkpoint this
         reader opened has been replaced (or removed) at its path and what the reader fetched

@@ -76,6 +76,12 @@ class ShardedLayout(ABC):
                     compression: Any) -> RankShardWriter:
         """This rank's writer."""
 
+    def write_metadata(  # noqa: B027 - most layouts write all metadata in finish
+        self, work: str, world: int, plans: list[TensorPlan], chunk_bytes: int,
+    ) -> None:
+        """Rank 0, in the write stage after its own shards: the metadata that needs no digest
+        (so the commit, which every rank waits for, does less)."""
+
     @abstractmethod
     def finish(self, work: str, world: int, plans: list[TensorPlan], records: list[str],
                root_attrs: dict[str, Any], chunk_bytes: int) -> None:

@@ -27,7 +27,9 @@ def test_quick_sharded_run_reports_every_method(tmp_path: Path) -> None:
     assert "4 gloo ranks" in out, out
     for method in ("dcp", "lean_store hdf5", "lean_store zarr"):
         row = next(line for line in out.splitlines() if line.startswith(f"| {method} |"))
-        save, load, rs, rl = (float(x) for x in row.strip("| ").split(" | ")[1:])
+        save, load, rs, rl, cpu_save, cpu_load = (float(x) for x in
+                                                  row.strip("| ").split(" | ")[1:])
         assert save > 0 and load > 0 and rs > 0 and rl > 0
+        assert cpu_save > 0 and cpu_load > 0  # the ranks' CPU seconds added up
     assert "| dcp |" in out and "| 1.00 | 1.00 |" in out  # DCP against itself
     assert list(tmp_path.iterdir()) == []  # every file removed

@@ -107,8 +107,12 @@ def _lean(model: Any, opt: Any, path: Path, save: bool) -> None:
 
 
 def rank_main(rank: int, world: int, port: int, root: str, dim: int, layers: int, vocab: int,
-              repeat: int) -> None:
-    """One rank: build the state, run warm-up + ``repeat`` rounds, rank 0 writes results.json."""
+              repeat: int, profile: str | None = None) -> None:
+    """One rank: build the state, run warm-up + ``repeat`` rounds, rank 0 writes results.json.
+    ``profile``: a directory where each rank writes the cProfile stats of its lean_store saves
+    and loads after the warm-up (``<method>-<save|load>-rank<r>.prof``)."""
+    import cProfile
+
     import torch
     import torch.distributed as dist
 
@@ -122,6 +126,7 @@ def rank_main(rank: int, world: int, port: int, root: str, dim: int, layers: int
         nbytes = sum(v.numel() * v.element_size() for v in
                      _full_sizes(model, opt))
         times: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in METHODS}
+        cpu: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in METHODS}
         for r in range(repeat + 1):
             for method in METHODS:
                 suffix = {"lean_store hdf5": ".h5", "lean_store zarr": ".zarr"}.get(method, "")
@@ -129,18 +134,35 @@ def rank_main(rank: int, world: int, port: int, root: str, dim: int, layers: int
                 fn = _dcp if method == "dcp" else _lean
                 for i, save in enumerate((True, False)):
                     dist.barrier()
-                    t0 = time.perf_counter()
-                    fn(model, opt, path, save)
+                    prof = (cProfile.Profile(time.process_time)
+                            if profile and r and method != "dcp" else None)
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    if prof is not None:
+                        prof.runcall(fn, model, opt, path, save)
+                    else:
+                        fn(model, opt, path, save)
+                    c1 = time.process_time()
                     dist.barrier()
+                    if prof is not None:
+                        what = ("save", "load")[i]
+                        prof.dump_stats(str(Path(profile) / f"{method.replace(' ', '_')}-"
+                                                             f"{what}-r{r}-rank{rank}.prof"))
                     if r:  # round 0 is the warm-up
                         times[method][i].append(time.perf_counter() - t0)
+                        cpu[method][i].append(c1 - c0)
                 dist.barrier()
                 if rank == 0:
                     shutil.rmtree(path, ignore_errors=True)
+        (Path(root) / f"cpu-{rank}.json").write_text(json.dumps(
+            {m: [statistics.median(s), statistics.median(lo)] for m, (s, lo) in cpu.items()}))
+        dist.barrier()
         if rank == 0:
+            ranks = [json.loads((Path(root) / f"cpu-{q}.json").read_text()) for q in range(world)]
             out = {"params": params, "bytes": nbytes, "world": world,
                    "medians": {m: [statistics.median(s), statistics.median(lo)]
-                               for m, (s, lo) in times.items()}}
+                               for m, (s, lo) in times.items()},
+                   "cpu": {m: [sum(c[m][0] for c in ranks), sum(c[m][1] for c in ranks)]
+                           for m in METHODS}}
             (Path(root) / "results.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
@@ -163,7 +185,7 @@ def _spawned(rank: int, *args: Any) -> None:
 
 
 def run(world: int = 4, dim: int = 256, layers: int = 4, vocab: int = 1024, repeat: int = 3,
-        directory: str | None = None) -> dict[str, Any]:
+        directory: str | None = None, profile: str | None = None) -> dict[str, Any]:
     """Spawn ``world`` ranks, return {"params", "bytes", "world", "medians": {method: [save s,
     load s]}}."""
     import torch.multiprocessing as mp
@@ -174,7 +196,8 @@ def run(world: int = 4, dim: int = 256, layers: int = 4, vocab: int = 1024, repe
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        mp.spawn(_spawned, args=(world, port, root, dim, layers, vocab, repeat), nprocs=world,
+        mp.spawn(_spawned, args=(world, port, root, dim, layers, vocab, repeat, profile),
+                 nprocs=world,
                  join=True)
         return json.loads((Path(root) / "results.json").read_text())
     finally:
@@ -185,14 +208,17 @@ def report(res: dict[str, Any]) -> str:
     """A markdown table: medians and ratios DCP time / method time (> 1: faster than DCP)."""
     med = res["medians"]
     ds, dl = med["dcp"]
+    cpu = res["cpu"]
     lines = [f"sharded: FSDP2 transformer, {res['params'] / 1e6:.2f} M parameters + AdamW moments "
              f"({res['bytes'] / 1e6:.1f} MB), {res['world']} gloo ranks on the CPU; medians of "
-             "the rounds after a warm-up",
-             "| method | save s | load s | save ratio (DCP / it) | load ratio (DCP / it) |",
-             "|---|---|---|---|---|"]
+             "the rounds after a warm-up; CPU: the ranks' process times added up",
+             "| method | save s | load s | save ratio (DCP / it) | load ratio (DCP / it) "
+             "| save CPU s | load CPU s |",
+             "|---|---|---|---|---|---|---|"]
     for m in METHODS:
         s, lo = med[m]
-        lines.append(f"| {m} | {s:.4f} | {lo:.4f} | {ds / s:.2f} | {dl / lo:.2f} |")
+        lines.append(f"| {m} | {s:.4f} | {lo:.4f} | {ds / s:.2f} | {dl / lo:.2f} "
+                     f"| {cpu[m][0]:.3f} | {cpu[m][1]:.3f} |")
     return "\n".join(lines)
 
 
@@ -204,8 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    ap.add_argument("--profile", metavar="DIR",
+                    help="write each rank's cProfile stats of the lean_store saves and loads")
     args = ap.parse_args(argv)
-    res = run(args.world, args.dim, args.layers, args.vocab, args.repeat, args.dir)
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    res = run(args.world, args.dim, args.layers, args.vocab, args.repeat, args.dir,
+              str(Path(args.profile).resolve()) if args.profile else None)
     print(report(res))
     return 0
 

@@ -11,6 +11,11 @@ file, structure and shape against its box) before any of its data is read: when 
 opened, or, inside :func:`deferred_source_checks` (a sharded load, where a rank reads only its
 own part), when a read first touches it; reads held by one shard go straight to its file, with
 its per-chunk CRC-32C table.
+
+The master's root attribute ``master_manifest`` (:mod:`.master_manifest`) holds every master
+dataset's attributes and mappings in one read. A sharded load describes the tensors from it;
+outside one, each master dataset is read and compared with its record when the master is
+opened. Masters without it (written before it existed) are read from their datasets.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ from __future__ import annotations
 import contextvars
 import json
 import math
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +30,7 @@ from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5d, h5p, h5s
+from h5py import h5d, h5o, h5p, h5s
 
 from ...chunking import plan_chunks
 from ...distributed.plan import TensorPlan
@@ -39,6 +43,16 @@ from ...replacement import PinnedRoot, check_unchanged
 from .. import sharded_layout
 from ..base import ChunkProblem, Selection, StoredTensor
 from ..sharded_layout import RankShardWriter, ShardedLayout
+from .master_manifest import (
+    MASTER_MANIFEST_ATTR,
+    SHARD_FILE,
+    SOURCE_DSET,
+    MasterRecord,
+    master_differences,
+    master_manifest_text,
+    parse_master_manifest,
+)
+from .master_manifest import record_json as master_record_json
 from .store import (
     ATTR_PHASE_CHANGE,
     HDF5Reader,
@@ -55,8 +69,6 @@ _DEFER_SOURCES: contextvars.ContextVar[bool] = contextvars.ContextVar(
 CHECKSUM = "fletcher32+crc32c"
 """The checksum of every shard file (the ``checksum`` save option a sharded save honours)."""
 MASTER_LIBVER = ("v108", "v110")  # virtual datasets need the 1.10 format; h5dump 1.10 reads it
-_SHARD_FILE = re.compile(r"^shard-(\d{5})-of-(\d{5})\.h5$")
-_SOURCE_DSET = re.compile(r"^/t(\d{6})-s(\d{5})$")
 
 
 def shard_file_name(rank: int, world: int) -> str:
@@ -87,10 +99,40 @@ def shard_entry(plan: TensorPlan, k: int, box: Box) -> Entry:
 
 def write_master(work: str, world: int, plans: list[TensorPlan], records: list[str],
                  root_attrs: dict[str, Any], chunk_bytes: int) -> None:
-    """Rank 0, after every rank succeeded: the master file, ``complete`` written last."""
+    """Rank 0, after every rank succeeded: the master file, ``complete`` written last. Its
+    datasets come from :func:`write_master_datasets` when rank 0 wrote them during the write
+    stage (a master without ``complete`` in the work directory), else are written here."""
+    path = Path(work) / MASTER_NAME
+    if not path.exists():
+        write_master_datasets(work, world, plans, chunk_bytes)
+    manifest: list[dict[str, Any]] = []
+    with h5py.File(path, "r+", libver=MASTER_LIBVER) as f:
+        for plan, shards in zip(plans, records):
+            entry = plan.entry
+            node = node_name(entry.name)
+            dset = h5o.open(f.id, node.encode())
+            write_attrs(dset, {"shards": shards})
+            attrs = {**tensor_attrs(entry, storage_kind(entry.format)), "shards": shards}
+            sources = [] if math.prod(plan.stored_shape) == 0 else [
+                (box, shard_file_name(owner, world), "/" + source_name(entry.index, k))
+                for k, (box, owner) in enumerate(plan.shards)]
+            manifest.append(master_record_json(node, attrs, plan.stored_shape, sources))
+        # every dataset's record in one read (docs/FORMAT.md 6.1.1)
+        f.attrs[MASTER_MANIFEST_ATTR] = to_hdf5_attr(master_manifest_text(manifest))
+        for key, value in root_attrs.items():
+            f.attrs[key] = to_hdf5_attr(value)
+        f.attrs["complete"] = 1  # written last: a master without it is incomplete
+
+
+def write_master_datasets(work: str, world: int, plans: list[TensorPlan],
+                          chunk_bytes: int) -> None:
+    """Rank 0: the master file's datasets (each virtual dataset's mappings and the tensor's
+    attributes, all but ``shards``, which needs every rank's digests), without root
+    attributes. Done during the write stage, alongside the other ranks' shard writes, so the
+    commit adds only the shard records, the manifest and the root attributes."""
     path = Path(work) / MASTER_NAME
     with h5py.File(path, "w", libver=MASTER_LIBVER, track_order=True) as f:
-        for plan, shards in zip(plans, records):
+        for plan in plans:
             entry = plan.entry
             shape = plan.stored_shape
             ftype = hdf5_type(entry.format)
@@ -99,21 +141,17 @@ def write_master(work: str, world: int, plans: list[TensorPlan], records: list[s
             if math.prod(shape) == 0:
                 dcpl.set_chunk(plan_chunks(shape, ftype.get_size(), chunk_bytes))
                 dcpl.set_fletcher32()
-            for k, (box, owner) in enumerate(plan.shards):
-                vspace = h5s.create_simple(shape)
-                vspace.select_hyperslab(box.offsets, box.lengths)
-                dcpl.set_virtual(
-                    vspace, shard_file_name(owner, world).encode(),
-                    ("/" + source_name(entry.index, k)).encode(), h5s.create_simple(box.lengths),
-                )
+            else:
+                for k, (box, owner) in enumerate(plan.shards):
+                    vspace = h5s.create_simple(shape)
+                    vspace.select_hyperslab(box.offsets, box.lengths)
+                    dcpl.set_virtual(vspace, shard_file_name(owner, world).encode(),
+                                     ("/" + source_name(entry.index, k)).encode(),
+                                     h5s.create_simple(box.lengths))
             dset = h5d.create(f.id, node_name(entry.name).encode(), ftype,
                               h5s.create_simple(shape), dcpl=dcpl)
-            attrs = tensor_attrs(entry, storage_kind(entry.format))
-            attrs["shards"] = shards
-            write_attrs(dset, attrs)  # the types and spaces of h5py's attrs[...] = value
-        for key, value in root_attrs.items():
-            f.attrs[key] = to_hdf5_attr(value)
-        f.attrs["complete"] = 1  # written last: a master without it is incomplete
+            # the types and spaces of h5py's attrs[...] = value
+            write_attrs(dset, tensor_attrs(entry, storage_kind(entry.format)))
 
 
 def is_sharded_dir(path: Any) -> bool:
@@ -145,9 +183,24 @@ class ShardedHDF5Reader(HDF5Reader):
         self._checked: dict[tuple[str, str], StoredTensor] = {}  # (file, dataset) -> checked
         self._attr_names: list[str] | None = None  # the attribute names of the last dataset
         self._trusted: dict[str, list[str]] = {}  # file -> datasets checked by another rank
+        # the master manifest (parsed on first use, after the header checks): inside
+        # deferred_source_checks nodes are described from it, and their master datasets are
+        # compared with it by check_metadata (_check_master)
+        self._master_text = self.root_attrs.pop(MASTER_MANIFEST_ATTR, None)
+        self._master_records: dict[str, MasterRecord] | None = None
+        self._from_master: set[str] = set()  # described from the manifest, not yet checked
+        self._expected_types: dict[str, Any] = {}  # node -> its format, checked with it
 
     def check_current(self) -> None:
         check_unchanged(self._pin, str(self.directory))
+
+    @property
+    def _master(self) -> dict[str, MasterRecord] | None:
+        """node -> record of the ``master_manifest`` attribute; None in masters without one."""
+        if self._master_records is None and self._master_text is not None:
+            self._master_records = parse_master_manifest(self._master_text, self._where)
+            self._master_text = None
+        return self._master_records
 
     def read(self, node: str, selection: Any, fmt: Any, out: Any = None) -> Any:
         mappings = self._virtual_maps.get(node)
@@ -174,9 +227,15 @@ class ShardedHDF5Reader(HDF5Reader):
         return words
 
     def stored(self, node: str) -> StoredTensor:
+        record = None if self._master is None else self._master.get(node)
+        if record is not None and record.sources and self._defer:
+            return self._stored_from_master(node, record)
         ds = self._dataset(node)
         dcpl = ds.id.get_create_plist()
         if dcpl.get_layout() != h5d.VIRTUAL:
+            if record is not None and record.sources:
+                raise IntegrityError(f"{node!r}: not a virtual dataset, but the master manifest "
+                                     "maps it to shard files")
             return super().stored(node)
         attrs = None
         if self._attr_names is not None:  # opened by name: cheaper than by index
@@ -201,9 +260,90 @@ class ShardedHDF5Reader(HDF5Reader):
         )
         self._virtual_maps[node] = mappings
         self._infos[node] = info
+        if record is not None:  # read from the dataset: it must be what the manifest says
+            self._raise_differences(node, record, master_differences(
+                record, {k: v for k, v in attrs.items() if k != "virtual_boxes"},
+                tuple(ds.shape), mappings))
         if not self._defer:
             self._check_sources(node, mappings)
         return info
+
+    def _stored_from_master(self, node: str, record: MasterRecord) -> StoredTensor:
+        """``node`` described from its master manifest record alone (no dataset opened), inside
+        :func:`deferred_source_checks` only: a sharded load reads it straight from the shard
+        files the record names, and has its master dataset compared with the record
+        (:meth:`check_metadata`) by one rank before any rank installs anything."""
+        known = self._infos.get(node)
+        if known is not None:  # described already (and maybe checked): the same description
+            return known
+        attrs = dict(record.attrs)
+        attrs["virtual_boxes"] = [box.to_json() for box, _, _ in record.sources]
+        info = StoredTensor(
+            node=node, attrs=attrs, stored_shape=record.stored_shape,
+            chunk_shape=record.stored_shape, storage="hdf5", itemsize=0, nbytes_on_disk=None,
+            filters=[],
+        )
+        self._virtual_maps[node] = list(record.sources)
+        self._infos[node] = info
+        self._from_master.add(node)
+        return info
+
+    def type_mismatch(self, node: str, fmt: Any) -> str | None:
+        if node in self._from_master:  # compared with the dataset's own when it is checked
+            self._expected_types[node] = fmt
+            self._infos[node].itemsize = hdf5_type(fmt).get_size()
+            return None
+        return super().type_mismatch(node, fmt)
+
+    def _check_master(self, node: str) -> None:
+        """A node described from the master manifest: its master dataset (virtual layout,
+        attributes, shape, mappings, datatype) must be what the manifest says. Once."""
+        if node not in self._from_master:
+            return
+        assert self._master is not None
+        record = self._master[node]
+        ds = self._dataset(node)
+        dcpl = ds.id.get_create_plist()
+        if dcpl.get_layout() != h5d.VIRTUAL:
+            problems = ["it is not a virtual dataset"]
+        else:
+            names = list(record.attrs)
+            try:
+                attrs = read_attrs(ds.id, repr(node), names)
+            except IntegrityError:  # not the attributes written: read whatever is there
+                attrs = read_attrs(ds.id, repr(node))
+            try:
+                mappings = self._mappings(node, dcpl, tuple(ds.shape))
+            except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
+                raise IntegrityError(f"{node!r}: unreadable virtual dataset ({exc})") from None
+            problems = master_differences(record, attrs, tuple(ds.shape), mappings)
+        ftype = ds.id.get_type()
+        fmt = self._expected_types.get(node)
+        if fmt is not None and ftype != hdf5_type(fmt):
+            problems.append(f"HDF5 datatype does not encode {fmt.tag}")
+        self._raise_differences(node, record, problems)
+        self._types[node] = ftype
+        self._from_master.discard(node)
+
+    def _raise_differences(self, node: str, record: MasterRecord, problems: list[str]) -> None:
+        if problems:
+            self.check_current()  # a master replaced by a save meanwhile: not tampering
+            name = record.attrs.get("name", node)
+            raise IntegrityError(
+                f"tensor {name!r} (master dataset {node!r}) was changed after the save: "
+                f"{'; '.join(problems)}"
+            )
+
+    def check_metadata(self, node: str) -> None:
+        """The master dataset against its manifest record now (``verify``; reads do it before
+        their first data)."""
+        self._check_master(node)
+        super().check_metadata(node)
+
+    def metadata_checked_elsewhere(self, node: str) -> None:
+        """Another rank compared ``node``'s master dataset with the manifest and every rank
+        agreed: not again here."""
+        self._from_master.discard(node)
 
     def check_region(self, node: str, box: Box) -> None:
         """Check every source dataset holding part of ``box`` of ``node``, its attributes
@@ -286,7 +426,7 @@ class ShardedHDF5Reader(HDF5Reader):
         for i in range(dcpl.get_virtual_count()):
             fname = dcpl.get_virtual_filename(i)
             dset = dcpl.get_virtual_dsetname(i)
-            if not _SHARD_FILE.match(fname) or not _SOURCE_DSET.match(dset):
+            if not SHARD_FILE.match(fname) or not SOURCE_DSET.match(dset):
                 raise UnsafeFileError(
                     f"{node!r}: virtual source {fname!r}:{dset!r} is not a shard of this "
                     "checkpoint; only sibling shard files are read"
@@ -328,7 +468,10 @@ class ShardedHDF5Reader(HDF5Reader):
 @contextmanager
 def deferred_source_checks() -> Iterator[None]:
     """Sharded HDF5 checkpoints opened inside check each source dataset when a read (or
-    :meth:`ShardedHDF5Reader.check_region`) first needs it, not all of them when opened."""
+    :meth:`ShardedHDF5Reader.check_region`) first needs it, not all of them when opened; with
+    a master manifest, tensors are described from it and each master dataset is compared with
+    its record only by :meth:`ShardedHDF5Reader.check_metadata`, which the caller (a sharded
+    load: every tensor by one rank, the ranks agreeing before anything is installed) runs."""
     token = _DEFER_SOURCES.set(True)
     try:
         yield
@@ -416,6 +559,10 @@ class HDF5ShardedLayout(ShardedLayout):
                     compression: Any) -> RankShardWriter:
         return _HDF5RankWriter(open_rank_writer(work, rank, world, chunk_bytes, compression),
                                rank, world)
+
+    def write_metadata(self, work: str, world: int, plans: list[TensorPlan],
+                       chunk_bytes: int) -> None:
+        write_master_datasets(work, world, plans, chunk_bytes)
 
     def finish(self, work: str, world: int, plans: list[TensorPlan], records: list[str],
                root_attrs: dict[str, Any], chunk_bytes: int) -> None:

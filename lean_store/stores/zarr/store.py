@@ -594,6 +594,11 @@ class ZarrReader(StoreReader):
                 raise
             self._consistent.add(node)
 
+    def metadata_checked_elsewhere(self, node: str) -> None:
+        """Another process compared ``node``'s own document with the root's copy (a sharded
+        load's verify stage) and every process agreed: not again here."""
+        self._consistent.add(node)
+
     def stored(self, node: str) -> StoredTensor:
         array = self._array(node)
         outer, _inner = array_codec_names(array)
