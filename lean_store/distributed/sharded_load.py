@@ -92,7 +92,8 @@ def assign_verifiers(units: list[Unit], itemsizes: dict[str, int],
     for i, (name, _k, box) in enumerate(units):
         fit = [r for r in everyone if _holds(holders[r].get(name), box)] or everyone
         writer = None if writers is None else writers[i]
-        rank = writer if writer in fit else min(fit, key=lambda r: (load[r], r))
+        rank = writer if writer is not None and writer in fit else min(
+            fit, key=lambda r: (load[r], r))
         load[rank] += box.size * itemsizes[name] + UNIT_COST
         out.append(rank)
     return out
@@ -226,7 +227,7 @@ def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
             blocks = list(ck.blocks(name, shard=k))  # whole: every chunk and the digest checked
             if i in sent:
                 outgoing[str(i)] = [[list(b.offsets), list(b.lengths),
-                                     base64.b64encode(np.ascontiguousarray(w)).decode()]
+                                     base64.b64encode(np.ascontiguousarray(w).tobytes()).decode()]
                                     for b, w in ((_box_of(r), w) for r, w in blocks)]
             if _holds(mine.get(name), box):
                 kept[name, box] = blocks
@@ -237,7 +238,7 @@ def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
             continue
         if k is not None:
             ck.checked_elsewhere(name, k)
-        if i in sent and _holds(mine.get(name), box):
+        if i in sent and k is not None and _holds(mine.get(name), box):
             kept[name, box] = received_blocks(ck, name, ck.shards(name)[k], st.shared[rank][str(i)])
     return kept
 

@@ -43,6 +43,7 @@ from ...replacement import PinnedRoot, check_unchanged
 from .. import sharded_layout
 from ..base import ChunkProblem, Selection, StoredTensor
 from ..sharded_layout import RankShardWriter, ShardedLayout
+from .attrs import attrs_match, encode_attr, read_attrs, to_hdf5_attr, write_attrs
 from .master_manifest import (
     MASTER_MANIFEST_ATTR,
     SHARD_FILE,
@@ -53,14 +54,7 @@ from .master_manifest import (
     parse_master_manifest,
 )
 from .master_manifest import record_json as master_record_json
-from .store import (
-    ATTR_PHASE_CHANGE,
-    HDF5Reader,
-    HDF5Writer,
-    read_attrs,
-    to_hdf5_attr,
-    write_attrs,
-)
+from .store import ATTR_PHASE_CHANGE, HDF5Reader, HDF5Writer
 from .types import hdf5_type, storage_kind
 
 MASTER_NAME = "lean_store.h5"
@@ -308,10 +302,13 @@ class ShardedHDF5Reader(HDF5Reader):
             problems = ["it is not a virtual dataset"]
         else:
             names = list(record.attrs)
-            try:
-                attrs = read_attrs(ds.id, repr(node), names)
-            except IntegrityError:  # not the attributes written: read whatever is there
-                attrs = read_attrs(ds.id, repr(node))
+            if attrs_match(ds.id, [encode_attr(k, v) for k, v in record.attrs.items()]):
+                attrs = dict(record.attrs)  # exactly as written: no decoding
+            else:
+                try:
+                    attrs = read_attrs(ds.id, repr(node), names)
+                except IntegrityError:  # not the attributes written: read whatever is there
+                    attrs = read_attrs(ds.id, repr(node))
             try:
                 mappings = self._mappings(node, dcpl, tuple(ds.shape))
             except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
