@@ -45,6 +45,9 @@ def iter_regions(shape: tuple[int, ...], unit: tuple[int, ...]) -> Iterator[Regi
     """Regions of ``unit`` shape covering ``shape``, in C order, clipped at the edges."""
     if any(d == 0 for d in shape):
         return
+    if all(u >= d for d, u in zip(shape, unit)):  # one region (most small tensors)
+        yield tuple(slice(0, d) for d, _ in zip(shape, unit))
+        return
     counts = [math.ceil(d / u) for d, u in zip(shape, unit)]
     for index in grid_indices(counts):
         yield tuple(slice(i * u, min((i + 1) * u, d)) for i, u, d in zip(index, unit, shape))

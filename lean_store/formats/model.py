@@ -8,6 +8,7 @@ registry lives in :mod:`.registry`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import numpy as np
@@ -31,7 +32,11 @@ class ScalarFormat:
 
     kind: ClassVar[str] = ""
 
-    @property
+    # tag, storage_dtype and numpy_dtype are asked once or more per tensor on every save and
+    # load: each is computed once per format object (the object is frozen; the cache lives in
+    # its __dict__, outside the dataclass fields that equality and hashing use)
+
+    @cached_property
     def tag(self) -> str:
         """Stable text name of this format, used on disk."""
         from .registry import tag_of
@@ -48,7 +53,7 @@ class ScalarFormat:
         """Bits per stored word: the width, or the component width for complex formats."""
         return self.width
 
-    @property
+    @cached_property
     def storage_dtype(self) -> np.dtype:
         """Unsigned container of one stored word (complex values store a pair of them)."""
         return storage_dtype_for(self.word_width)
@@ -57,7 +62,7 @@ class ScalarFormat:
     def words_per_value(self) -> int:
         return 1
 
-    @property
+    @cached_property
     def numpy_dtype(self) -> np.dtype | None:
         """The numpy / ml_dtypes dtype with exactly these semantics, or ``None``."""
         from .registry import numpy_dtype_of
