@@ -32,9 +32,10 @@ class ScalarFormat:
 
     kind: ClassVar[str] = ""
 
-    # tag, storage_dtype and numpy_dtype are asked once or more per tensor on every save and
-    # load: each is computed once per format object (the object is frozen; the cache lives in
-    # its __dict__, outside the dataclass fields that equality and hashing use)
+    # tag, storage_dtype, numpy_dtype, width and words_per_value are asked several times per
+    # tensor on every save and load: each is computed once per format object (the object is
+    # frozen; cached_property keeps the value in its __dict__, outside the dataclass fields
+    # that equality and hashing use), then read as a plain attribute
 
     @cached_property
     def tag(self) -> str:
@@ -43,12 +44,12 @@ class ScalarFormat:
 
         return tag_of(self)
 
-    @property
+    @cached_property
     def width(self) -> int:
         """Bits per scalar (2 x the component for complex formats)."""
         raise NotImplementedError
 
-    @property
+    @cached_property
     def word_width(self) -> int:
         """Bits per stored word: the width, or the component width for complex formats."""
         return self.width
@@ -58,7 +59,7 @@ class ScalarFormat:
         """Unsigned container of one stored word (complex values store a pair of them)."""
         return storage_dtype_for(self.word_width)
 
-    @property
+    @cached_property
     def words_per_value(self) -> int:
         return 1
 
@@ -124,7 +125,7 @@ class BinaryFormat(ScalarFormat):
         if not 0 <= bias <= (1 << e) - 1:
             raise FormatError(f"bias {bias} out of range [0, {(1 << e) - 1}] for {e} exponent bits")
 
-    @property
+    @cached_property
     def width(self) -> int:
         return 1 + self.exponent_bits + self.fraction_bits
 
@@ -141,7 +142,7 @@ class BinaryFormat(ScalarFormat):
         """Unbiased exponent of the smallest normal value."""
         return 1 - self.bias
 
-    @property
+    @cached_property
     def embeds_in_float64(self) -> bool:
         """True when every value of this format is exactly a binary64 value."""
         return (
@@ -194,7 +195,7 @@ class ExponentFormat(ScalarFormat):
         if (self.exponent_bits, self.bias) != (8, 127):
             raise FormatError("only the 8-bit exponent-only format float8_e8m0fnu is supported")
 
-    @property
+    @cached_property
     def width(self) -> int:
         return self.exponent_bits
 
@@ -215,7 +216,7 @@ class IntegerFormat(ScalarFormat):
         if self.bits not in (8, 16, 32, 64) or not isinstance(self.signed, bool):
             raise FormatError(f"integer formats have 8, 16, 32 or 64 bits, got {self.bits!r}")
 
-    @property
+    @cached_property
     def width(self) -> int:
         return self.bits
 
@@ -229,7 +230,7 @@ class BoolFormat(ScalarFormat):
 
     kind: ClassVar[str] = "bool"
 
-    @property
+    @cached_property
     def width(self) -> int:
         return 8
 
@@ -253,15 +254,15 @@ class ComplexFormat(ScalarFormat):
         if isinstance(self.component, ExponentFormat):
             raise FormatError("float8_e8m0fnu is unsigned and cannot be a complex component")
 
-    @property
+    @cached_property
     def width(self) -> int:
         return 2 * self.component.width
 
-    @property
+    @cached_property
     def word_width(self) -> int:
         return self.component.width
 
-    @property
+    @cached_property
     def words_per_value(self) -> int:
         return 2
 

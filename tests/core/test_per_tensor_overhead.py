@@ -59,6 +59,13 @@ def test_format_properties_are_computed_once_and_stay_right(
     assert len(calls) == asked  # later asks are answered from the object
     assert first == (tag_of(fmt), formats.model.storage_dtype_for(fmt.word_width),
                      numpy_dtype_of(fmt))
+    sizes = (fresh.width, fresh.word_width, fresh.words_per_value)
+    assert sizes == (fmt.width, fmt.word_width, fmt.words_per_value)
+    assert fresh.word_width * fresh.words_per_value == fresh.width
+    assert fresh.storage_dtype.itemsize * 8 >= fresh.word_width
+    if isinstance(fmt, formats.BinaryFormat):
+        assert fresh.embeds_in_float64 == (fmt.fraction_bits <= 52 and fmt.max_exponent <= 1023
+                                           and fmt.min_exponent - fmt.fraction_bits >= -1074)
     # the cache is no field: equality and hashing are unchanged
     assert fresh == fmt and hash(fresh) == hash(fmt)
     assert formats.get(fresh.tag) == fresh
