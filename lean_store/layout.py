@@ -67,6 +67,16 @@ def _describe(entry: Entry) -> str:
     return f"{entry.format.tag}{list(entry.shape)}"
 
 
+def _by_name(entries: Sequence[Entry]) -> dict[str, Entry]:
+    """The entries by name; LayoutError at a name met twice."""
+    by_name: dict[str, Entry] = {}
+    for entry in entries:
+        if entry.name in by_name:
+            raise LayoutError(f"duplicate tensor name {entry.name!r}")
+        by_name[entry.name] = entry
+    return by_name
+
+
 class Layout(Sequence[Entry]):
     """An ordered, immutable list of :class:`Entry` with unique names."""
 
@@ -83,20 +93,15 @@ class Layout(Sequence[Entry]):
             if any((not isinstance(d, int)) or d < 0 for d in entry.shape):
                 raise LayoutError(f"entry {entry.name!r} has an invalid shape {entry.shape!r}")
             built.append(entry)
-        by_name: dict[str, Entry] = {}
-        for entry in built:
-            if entry.name in by_name:
-                raise LayoutError(f"duplicate tensor name {entry.name!r}")
-            by_name[entry.name] = entry
         self._entries = tuple(built)
-        self._by_name = by_name
+        self._by_name = _by_name(built)
 
     @classmethod
     def from_specs(cls, specs: Sequence[tuple[str, Sequence[int], ScalarFormat | str]]) -> Layout:
         """Build from ``(name, shape, format)`` triples, numbering them in order."""
         return cls(
             [
-                Entry(i, name, tuple(int(d) for d in shape), get(f) if isinstance(f, str) else f)
+                Entry(i, name, tuple(map(int, shape)), get(f) if isinstance(f, str) else f)
                 for i, (name, shape, f) in enumerate(specs)
             ]
         )
@@ -106,7 +111,7 @@ class Layout(Sequence[Entry]):
         """Inverse of :meth:`to_json`; malformed input raises LayoutError or FormatError."""
         if not isinstance(items, list):
             raise LayoutError("a layout must be a JSON list of entries")
-        specs = []
+        entries = []
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise LayoutError(f"layout entry {i} is not an object")
@@ -118,8 +123,17 @@ class Layout(Sequence[Entry]):
             fmt = get(tag)
             if "width" in item and item["width"] != fmt.width:
                 raise FormatError(f"layout entry {name!r}: width {item['width']} != {fmt.width}")
-            specs.append((name, shape, fmt))
-        return cls.from_specs(specs)
+            entries.append(Entry(i, name, tuple(map(int, shape)), fmt))
+        return cls._checked_entries(entries)
+
+    @classmethod
+    def _checked_entries(cls, entries: list[Entry]) -> Layout:
+        """A layout of entries already numbered in order, with checked shapes and formats (as
+        :meth:`from_json` builds them): only the names' uniqueness is left to check."""
+        layout = cls.__new__(cls)
+        layout._entries = tuple(entries)
+        layout._by_name = _by_name(entries)
+        return layout
 
     def to_json(self) -> list[dict[str, Any]]:
         return [entry.to_json() for entry in self._entries]

@@ -124,3 +124,18 @@ def test_staged_reads_host_items_when_their_turn_comes() -> None:
     assert log == ["read a", "got a bits", "got a marker", "read b", "got b bits",
                    "got b marker"]
     assert out == [(k, r) for k, _, r in items]
+
+
+def test_layout_from_json_is_the_checked_inverse_of_to_json() -> None:
+    layout = ls.Layout.from_specs(
+        [(f"t{i}", (i % 3, 2)[: i % 3], fmt) for i, fmt in enumerate(ALL_FORMATS)]
+    )
+    back = ls.Layout.from_json(layout.to_json())
+    assert back == layout and back.names() == layout.names()
+    assert all(back[e.name] == e for e in layout)
+    items = layout.to_json()
+    with pytest.raises(ls.LayoutError, match="duplicate tensor name 't0'"):
+        ls.Layout.from_json(items + [dict(items[0], index=len(items))])
+    for bad in ([-1], [True], [1.0], "3"):
+        with pytest.raises(ls.LayoutError, match="t0|entry 0"):
+            ls.Layout.from_json([dict(items[0], shape=bad)] + items[1:])
