@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from .errors import FormatError, LayoutError, listing
@@ -67,6 +68,11 @@ def _describe(entry: Entry) -> str:
     return f"{entry.format.tag}{list(entry.shape)}"
 
 
+def _sizes(shape: Any) -> bool:
+    """Every side an int >= 0 (checked without a Python frame per side: runs per tensor)."""
+    return all(map(isinstance, shape, repeat(int))) and min(shape, default=0) >= 0
+
+
 def _by_name(entries: Sequence[Entry]) -> dict[str, Entry]:
     """The entries by name; LayoutError at a name met twice."""
     by_name: dict[str, Entry] = {}
@@ -90,7 +96,7 @@ class Layout(Sequence[Entry]):
                 raise LayoutError(f"entry {entry.name!r} has index {entry.index}, expected {i}")
             if not isinstance(entry.format, ScalarFormat):
                 raise FormatError(f"entry {entry.name!r} has no ScalarFormat: {entry.format!r}")
-            if any((not isinstance(d, int)) or d < 0 for d in entry.shape):
+            if not _sizes(entry.shape):
                 raise LayoutError(f"entry {entry.name!r} has an invalid shape {entry.shape!r}")
             built.append(entry)
         self._entries = tuple(built)
@@ -118,7 +124,7 @@ class Layout(Sequence[Entry]):
             name, shape, tag = item.get("name"), item.get("shape"), item.get("format")
             if not isinstance(name, str) or not isinstance(shape, list) or not isinstance(tag, str):
                 raise LayoutError(f"layout entry {i} lacks a name, shape or format")
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            if not _sizes(shape) or any(map(isinstance, shape, repeat(bool))):
                 raise LayoutError(f"layout entry {name!r} has an invalid shape {shape!r}")
             fmt = get(tag)
             if "width" in item and item["width"] != fmt.width:
