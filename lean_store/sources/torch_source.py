@@ -127,15 +127,17 @@ class TorchSourceTensor(SourceTensor):
         tensor = tensor.detach()
         self._fmt = fmt
         self._bits = bit_view(tensor.reshape(1) if tensor.dim() == 0 else tensor)
-        self.device = str(tensor.device)
+        device = tensor.device  # a new torch.device object on every ask: asked once
+        self.device = str(device)
+        on_host = device.type == "cpu"
         self._host: np.ndarray | None = None  # host memory: the words as a numpy view, once
-        if tensor.device.type == "cpu":
+        if on_host:
             try:
                 self._host = _to_numpy_bits(self._bits, fmt)
             except (RuntimeError, TypeError):  # memory numpy cannot view: sliced per region
                 pass
         # device tensors are staged through the pooled host buffers of lean_store.stream
-        if engine is None and tensor.device.type != "cpu":
+        if engine is None and not on_host:
             engine = TorchCopyEngine()
         self.stage_engine = engine
 
@@ -243,9 +245,9 @@ class TorchSource(TensorSource):
         for entry in self.layout:
             value = self._values[entry.name]
             if isinstance(value, torch.Tensor):
-                if value.device.type != "cpu" and engine is None:
-                    engine = TorchCopyEngine()
                 on_host = value.device.type == "cpu"
+                if not on_host and engine is None:
+                    engine = TorchCopyEngine()
                 yield entry, TorchSourceTensor(value, entry.format, None if on_host else engine)
             else:
                 yield entry, ArraySourceTensor(value, entry.format)
