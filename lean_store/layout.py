@@ -198,7 +198,9 @@ class Layout(Sequence[Entry]):
                 continue
             if found.shape != entry.shape:
                 diffs.append(Difference("shape", entry.name, list(entry.shape), list(found.shape)))
-            if found.format != entry.format or found.format.width != entry.format.width:
+            if found.format is not entry.format and (
+                found.format != entry.format or found.format.width != entry.format.width
+            ):
                 diffs.append(
                     Difference(
                         "format",
