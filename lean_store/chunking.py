@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Iterator, Sequence
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -43,7 +44,10 @@ def grow_chunks(shape: tuple[int, ...], chunks: tuple[int, ...], factor: int) ->
 
 def iter_regions(shape: tuple[int, ...], unit: tuple[int, ...]) -> Iterator[Region]:
     """Regions of ``unit`` shape covering ``shape``, in C order, clipped at the edges."""
-    if any(d == 0 for d in shape):
+    if 0 in shape:
+        return
+    if all(map(operator.ge, unit, shape)):  # one region (most small tensors)
+        yield tuple(map(slice, itertools.repeat(0), shape[: len(unit)]))
         return
     counts = [math.ceil(d / u) for d, u in zip(shape, unit)]
     for index in grid_indices(counts):

@@ -38,7 +38,7 @@ def check_chunk_shape(
         raise UnsafeFileError(f"{node!r}: chunk shape {chunk_shape} does not match the rank")
     if any(not isinstance(c, (int, np.integer)) or c < 1 for c in chunk_shape):
         raise UnsafeFileError(f"{node!r}: invalid chunk shape {chunk_shape}")
-    nbytes = math.prod(int(c) for c in chunk_shape) * max(1, itemsize)
+    nbytes = math.prod(map(int, chunk_shape)) * max(1, itemsize)
     if nbytes > limit:
         raise UnsafeFileError(
             f"{node!r}: chunk shape {chunk_shape} means {nbytes} bytes per chunk "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from .errors import FormatError, LayoutError, listing
@@ -67,6 +68,21 @@ def _describe(entry: Entry) -> str:
     return f"{entry.format.tag}{list(entry.shape)}"
 
 
+def _sizes(shape: Any) -> bool:
+    """Every side an int >= 0 (checked without a Python frame per side: runs per tensor)."""
+    return all(map(isinstance, shape, repeat(int))) and min(shape, default=0) >= 0
+
+
+def _by_name(entries: Sequence[Entry]) -> dict[str, Entry]:
+    """The entries by name; LayoutError at a name met twice."""
+    by_name: dict[str, Entry] = {}
+    for entry in entries:
+        if entry.name in by_name:
+            raise LayoutError(f"duplicate tensor name {entry.name!r}")
+        by_name[entry.name] = entry
+    return by_name
+
+
 class Layout(Sequence[Entry]):
     """An ordered, immutable list of :class:`Entry` with unique names."""
 
@@ -80,23 +96,18 @@ class Layout(Sequence[Entry]):
                 raise LayoutError(f"entry {entry.name!r} has index {entry.index}, expected {i}")
             if not isinstance(entry.format, ScalarFormat):
                 raise FormatError(f"entry {entry.name!r} has no ScalarFormat: {entry.format!r}")
-            if any((not isinstance(d, int)) or d < 0 for d in entry.shape):
+            if not _sizes(entry.shape):
                 raise LayoutError(f"entry {entry.name!r} has an invalid shape {entry.shape!r}")
             built.append(entry)
-        by_name: dict[str, Entry] = {}
-        for entry in built:
-            if entry.name in by_name:
-                raise LayoutError(f"duplicate tensor name {entry.name!r}")
-            by_name[entry.name] = entry
         self._entries = tuple(built)
-        self._by_name = by_name
+        self._by_name = _by_name(built)
 
     @classmethod
     def from_specs(cls, specs: Sequence[tuple[str, Sequence[int], ScalarFormat | str]]) -> Layout:
         """Build from ``(name, shape, format)`` triples, numbering them in order."""
         return cls(
             [
-                Entry(i, name, tuple(int(d) for d in shape), get(f) if isinstance(f, str) else f)
+                Entry(i, name, tuple(map(int, shape)), get(f) if isinstance(f, str) else f)
                 for i, (name, shape, f) in enumerate(specs)
             ]
         )
@@ -106,20 +117,29 @@ class Layout(Sequence[Entry]):
         """Inverse of :meth:`to_json`; malformed input raises LayoutError or FormatError."""
         if not isinstance(items, list):
             raise LayoutError("a layout must be a JSON list of entries")
-        specs = []
+        entries = []
         for i, item in enumerate(items):
             if not isinstance(item, dict):
                 raise LayoutError(f"layout entry {i} is not an object")
             name, shape, tag = item.get("name"), item.get("shape"), item.get("format")
             if not isinstance(name, str) or not isinstance(shape, list) or not isinstance(tag, str):
                 raise LayoutError(f"layout entry {i} lacks a name, shape or format")
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            if not _sizes(shape) or any(map(isinstance, shape, repeat(bool))):
                 raise LayoutError(f"layout entry {name!r} has an invalid shape {shape!r}")
             fmt = get(tag)
             if "width" in item and item["width"] != fmt.width:
                 raise FormatError(f"layout entry {name!r}: width {item['width']} != {fmt.width}")
-            specs.append((name, shape, fmt))
-        return cls.from_specs(specs)
+            entries.append(Entry(i, name, tuple(map(int, shape)), fmt))
+        return cls._checked_entries(entries)
+
+    @classmethod
+    def _checked_entries(cls, entries: list[Entry]) -> Layout:
+        """A layout of entries already numbered in order, with checked shapes and formats (as
+        :meth:`from_json` builds them): only the names' uniqueness is left to check."""
+        layout = cls.__new__(cls)
+        layout._entries = tuple(entries)
+        layout._by_name = _by_name(entries)
+        return layout
 
     def to_json(self) -> list[dict[str, Any]]:
         return [entry.to_json() for entry in self._entries]
@@ -178,7 +198,9 @@ class Layout(Sequence[Entry]):
                 continue
             if found.shape != entry.shape:
                 diffs.append(Difference("shape", entry.name, list(entry.shape), list(found.shape)))
-            if found.format != entry.format or found.format.width != entry.format.width:
+            if found.format is not entry.format and (
+                found.format != entry.format or found.format.width != entry.format.width
+            ):
                 diffs.append(
                     Difference(
                         "format",

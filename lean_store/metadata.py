@@ -152,9 +152,10 @@ def check_stored(reader: StoreReader, layout: Layout, where: str) -> dict[str, S
     for node in nodes:
         if node not in expected_nodes:
             problems.append(f"dataset {node!r} is not in the layout")
+    present = set(nodes)  # a list scan per tensor would make the open quadratic
     stored: dict[str, StoredTensor] = {}
     for node, entry in expected_nodes.items():
-        if node not in nodes:
+        if node not in present:
             problems.append(f"tensor {entry.name!r}: dataset {node!r} is missing")
             continue
         info = reader.stored(node)

@@ -27,6 +27,8 @@ def node_name(name: str) -> str:
         raise LayoutError(f"tensor names must be non-empty strings, got {name!r}")
     if len(name) > MAX_NAME_LENGTH:
         raise LayoutError(f"tensor name of {len(name)} characters exceeds {MAX_NAME_LENGTH}")
+    if name[0] not in "._" and _SAFE.issuperset(name):  # the common case: nothing to escape
+        return name
     out = []
     for i, ch in enumerate(name):
         if ch in _SAFE and not (i == 0 and ch in "._"):

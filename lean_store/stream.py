@@ -182,6 +182,12 @@ def staged(
                 key, tensor, region = item
                 engine = getattr(tensor, "stage_engine", None) if tensor is not None else None
                 if engine is None or region is None:
+                    if not queue and not pools:
+                        # its turn is now and no device copy can run ahead of it (none met
+                        # yet; all-host sources never meet one): no bookkeeping
+                        yield key, region, (None if tensor is None or region is None
+                                            else tensor.read(region))
+                        continue
                     queue.append(_Pending(key, tensor, region))
                     continue
                 pool = pools.get(id(engine))

@@ -15,7 +15,7 @@ from .layout import Entry, Layout, stored_rank_shape
 from .metadata import root_attrs, tensor_attrs
 from .naming import check_names
 from .options import SaveOptions, merge_options
-from .progress import make_progress
+from .progress import NullProgress, make_progress
 from .sources import TensorSource
 from .stores.registry import backend_for, backend_record, open_writer
 from .stream import staged
@@ -94,6 +94,7 @@ def write_source(
     crc_pool = _crc_pool()
     with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar:
         crc = 0
+        counting = type(bar) is not NullProgress  # no call per unit without a bar
         for sink, region, bits in staged(units(), buffer_bytes=buffer_bytes):
             if bits is None:
                 sink.close({"crc32c": crc})
@@ -125,7 +126,8 @@ def write_source(
                 unit_crc = crc32c_of(bits)
                 sink.write(region, bits, unit_crc)
             crc = crc32c_combine(crc, unit_crc, bits.nbytes)
-            bar.advance(bits.nbytes)
+            if counting:
+                bar.advance(bits.nbytes)
         writer.commit(root_attrs(layout, kind, extra_root))
     return layout
 

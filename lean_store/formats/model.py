@@ -8,6 +8,7 @@ registry lives in :mod:`.registry`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import numpy as np
@@ -31,33 +32,38 @@ class ScalarFormat:
 
     kind: ClassVar[str] = ""
 
-    @property
+    # tag, storage_dtype, numpy_dtype, width and words_per_value are asked several times per
+    # tensor on every save and load: each is computed once per format object (the object is
+    # frozen; cached_property keeps the value in its __dict__, outside the dataclass fields
+    # that equality and hashing use), then read as a plain attribute
+
+    @cached_property
     def tag(self) -> str:
         """Stable text name of this format, used on disk."""
         from .registry import tag_of
 
         return tag_of(self)
 
-    @property
+    @cached_property
     def width(self) -> int:
         """Bits per scalar (2 x the component for complex formats)."""
         raise NotImplementedError
 
-    @property
+    @cached_property
     def word_width(self) -> int:
         """Bits per stored word: the width, or the component width for complex formats."""
         return self.width
 
-    @property
+    @cached_property
     def storage_dtype(self) -> np.dtype:
         """Unsigned container of one stored word (complex values store a pair of them)."""
         return storage_dtype_for(self.word_width)
 
-    @property
+    @cached_property
     def words_per_value(self) -> int:
         return 1
 
-    @property
+    @cached_property
     def numpy_dtype(self) -> np.dtype | None:
         """The numpy / ml_dtypes dtype with exactly these semantics, or ``None``."""
         from .registry import numpy_dtype_of
@@ -119,7 +125,7 @@ class BinaryFormat(ScalarFormat):
         if not 0 <= bias <= (1 << e) - 1:
             raise FormatError(f"bias {bias} out of range [0, {(1 << e) - 1}] for {e} exponent bits")
 
-    @property
+    @cached_property
     def width(self) -> int:
         return 1 + self.exponent_bits + self.fraction_bits
 
@@ -136,7 +142,7 @@ class BinaryFormat(ScalarFormat):
         """Unbiased exponent of the smallest normal value."""
         return 1 - self.bias
 
-    @property
+    @cached_property
     def embeds_in_float64(self) -> bool:
         """True when every value of this format is exactly a binary64 value."""
         return (
@@ -189,7 +195,7 @@ class ExponentFormat(ScalarFormat):
         if (self.exponent_bits, self.bias) != (8, 127):
             raise FormatError("only the 8-bit exponent-only format float8_e8m0fnu is supported")
 
-    @property
+    @cached_property
     def width(self) -> int:
         return self.exponent_bits
 
@@ -210,7 +216,7 @@ class IntegerFormat(ScalarFormat):
         if self.bits not in (8, 16, 32, 64) or not isinstance(self.signed, bool):
             raise FormatError(f"integer formats have 8, 16, 32 or 64 bits, got {self.bits!r}")
 
-    @property
+    @cached_property
     def width(self) -> int:
         return self.bits
 
@@ -224,7 +230,7 @@ class BoolFormat(ScalarFormat):
 
     kind: ClassVar[str] = "bool"
 
-    @property
+    @cached_property
     def width(self) -> int:
         return 8
 
@@ -248,15 +254,15 @@ class ComplexFormat(ScalarFormat):
         if isinstance(self.component, ExponentFormat):
             raise FormatError("float8_e8m0fnu is unsigned and cannot be a complex component")
 
-    @property
+    @cached_property
     def width(self) -> int:
         return 2 * self.component.width
 
-    @property
+    @cached_property
     def word_width(self) -> int:
         return self.component.width
 
-    @property
+    @cached_property
     def words_per_value(self) -> int:
         return 2
 

@@ -49,8 +49,11 @@ def format_of_dtype(dtype: torch.dtype) -> ScalarFormat:
     return get(tag)
 
 
+_COMPLEX32 = complex_of(get("float16"))
+
+
 def dtype_of_format(fmt: ScalarFormat) -> torch.dtype | None:
-    if fmt == complex_of(get("float16")):
+    if fmt == _COMPLEX32:
         return torch.complex32
     return _DTYPE_OF_TAG.get(fmt.tag)
 
@@ -124,13 +127,23 @@ class TorchSourceTensor(SourceTensor):
         tensor = tensor.detach()
         self._fmt = fmt
         self._bits = bit_view(tensor.reshape(1) if tensor.dim() == 0 else tensor)
-        self.device = str(tensor.device)
+        device = tensor.device  # a new torch.device object on every ask: asked once
+        self.device = str(device)
+        on_host = device.type == "cpu"
+        self._host: np.ndarray | None = None  # host memory: the words as a numpy view, once
+        if on_host:
+            try:
+                self._host = _to_numpy_bits(self._bits, fmt)
+            except (RuntimeError, TypeError):  # memory numpy cannot view: sliced per region
+                pass
         # device tensors are staged through the pooled host buffers of lean_store.stream
-        if engine is None and tensor.device.type != "cpu":
+        if engine is None and not on_host:
             engine = TorchCopyEngine()
         self.stage_engine = engine
 
     def read(self, region: Region) -> np.ndarray:
+        if self._host is not None:  # numpy slicing costs a fraction of torch's
+            return np.ascontiguousarray(self._host[region])
         part = self._bits[region]
         if part.device.type != "cpu":
             part = part.to("cpu")
@@ -232,9 +245,9 @@ class TorchSource(TensorSource):
         for entry in self.layout:
             value = self._values[entry.name]
             if isinstance(value, torch.Tensor):
-                if value.device.type != "cpu" and engine is None:
-                    engine = TorchCopyEngine()
                 on_host = value.device.type == "cpu"
+                if not on_host and engine is None:
+                    engine = TorchCopyEngine()
                 yield entry, TorchSourceTensor(value, entry.format, None if on_host else engine)
             else:
                 yield entry, ArraySourceTensor(value, entry.format)
@@ -287,14 +300,16 @@ def new_tensor(bits: np.ndarray, fmt: ScalarFormat, shape: tuple[int, ...], devi
     if dtype is None:
         return Encoded(bits, fmt)
     words = torch.from_numpy(np.ascontiguousarray(bits).view(_np_int(bits.dtype.itemsize)))
-    probe = torch.empty(0, dtype=dtype)
-    if probe.is_complex():
+    if dtype.is_complex:
+        probe = torch.empty(0, dtype=dtype)
         real = words.view(torch.view_as_real(probe).dtype).reshape(shape + (2,))
         out = torch.view_as_complex(real.contiguous())
     else:
         out = words.view(dtype).reshape(shape)
     # ``bits`` is a fresh array owned by the caller, so the CPU tensor can share its memory.
-    return out.to(device) if device is not None and str(device) != "cpu" else out
+    if device is None or getattr(device, "type", None) == "cpu" or str(device) == "cpu":
+        return out
+    return out.to(device)
 
 
 def _fits_on_devices(state: Mapping[str, Any]) -> bool:
