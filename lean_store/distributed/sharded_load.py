@@ -278,7 +278,8 @@ def received_blocks(ck: Checkpoint, name: str, shard: Any, items: list[list[Any]
     pair = (2,) if fmt.words_per_value == 2 else ()
     blocks, crc = [], 0
     for offsets, lengths, text in items:
-        words = np.frombuffer(base64.b64decode(text), dtype=fmt.storage_dtype)
+        # writable (a bytearray): torch.from_numpy warns of a read-only array when installing
+        words = np.frombuffer(bytearray(base64.b64decode(text)), dtype=fmt.storage_dtype)
         words = words.reshape(tuple(lengths) + pair)
         crc = crc32c_update(crc, words)
         blocks.append((Box.of(offsets, lengths).region(), words))

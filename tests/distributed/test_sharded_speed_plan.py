@@ -79,6 +79,7 @@ def test_words_received_from_another_rank_are_checked_against_the_digest() -> No
     item = [[0], [1], base64.b64encode(_Shard.words.tobytes()).decode()]
     ((region, words),) = received_blocks(_Ck(), "s", _Shard(), [item])
     assert region == (slice(0, 1),) and words.tolist() == [7]
+    assert words.flags.writeable  # installing it through torch.from_numpy warns otherwise
     forged = [[0], [1], base64.b64encode(np.array([8], np.int64).tobytes()).decode()]
     with pytest.raises(IntegrityError, match="recorded digest"):
         received_blocks(_Ck(), "s", _Shard(), [forged])
