@@ -11,9 +11,11 @@ gloo ranks against DCP: tools/bench/fsdp_peers.py, run in its own processes). Pe
 HDF5 and Zarr (``save`` / ``load_state``), safetensors (``safetensors.torch.save_file``, numpy
 ``load_file``), ``torch.save`` / ``torch.load``, DCP in one process
 (``FileSystemWriter`` / ``FileSystemReader``, ``no_dist=True``) and raw numpy (``np.save`` /
-``np.load`` of each tensor in one directory). Files go to ``--dir`` (default /dev/shm); no
-fsync for anyone. The table gives medians in seconds and ratios *peer time / lean_store HDF5
-time* (> 1: lean_store faster); the fitted per-tensor cost is the least-squares slope of time
+``np.load`` of each tensor in one directory). Files go to ``--dir`` (default /dev/shm); every
+peer writes as it does by default (lean_store's saves are durable, which costs nothing on
+tmpfs; DCP's ``FileSystemWriter`` fsyncs; safetensors and torch.save do not). The table
+gives medians in seconds and ratios *peer time / lean_store HDF5 time* (> 1: lean_store
+faster); the fitted per-tensor cost is the least-squares slope of time
 against tensor count over the workloads run (with a per-byte term when there are three or more).
 """
 
