@@ -52,5 +52,15 @@ class OrderedPool:
             future.cancel()
         self._pending.clear()
 
+    def finish(self, *, flush: bool) -> None:
+        """The end of a save: hand on every queued chunk (``flush``; a failed or aborted save
+        does not), and in any case cancel what is left and stop the pool's threads."""
+        try:
+            if flush:
+                self.flush()
+        finally:
+            self.cancel()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
 
 __all__ = ["MAX_PENDING", "OrderedPool"]

@@ -69,26 +69,33 @@ def _attr_value(value: Any) -> Any:
     return value
 
 
-def parse_manifest(text: Any, where: str) -> dict[str, TensorRecord]:
-    """node -> record, every field type-checked; its size and nesting are checked on the raw
-    text before it is parsed, and its tables against the chunk grids they claim to cover."""
+def manifest_items(text: Any, where: str, what: str, version: int, max_depth: int
+                   ) -> list[Any]:
+    """The ``tensors`` list of a JSON manifest attribute (``what``: its name in errors): the
+    text's size and nesting checked before it is parsed, then its ``version``."""
     if not isinstance(text, str):
-        raise IntegrityError(f"{where}: the manifest attribute is not a string")
+        raise IntegrityError(f"{where}: the {what} attribute is not a string")
     if len(text) > MAX_ATTR_BYTES:
-        raise UnsafeFileError(f"{where}: manifest of {len(text)} bytes is too large")
+        raise UnsafeFileError(f"{where}: {what} of {len(text)} bytes is too large")
     depth = json_depth(text)
-    if depth > MAX_MANIFEST_DEPTH:
-        raise UnsafeFileError(f"{where}: manifest JSON nested {depth} levels deep; refusing it")
+    if depth > max_depth:
+        raise UnsafeFileError(f"{where}: {what} JSON nested {depth} levels deep; refusing it")
     try:
         doc = json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise IntegrityError(f"{where}: manifest is not valid JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("version") != MANIFEST_VERSION:
-        raise IntegrityError(f"{where}: manifest version {str(doc)[:40]!r} is not "
-                             f"{MANIFEST_VERSION}")
+        raise IntegrityError(f"{where}: {what} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("version") != version:
+        raise IntegrityError(f"{where}: {what} version {str(doc)[:40]!r} is not {version}")
     items = doc.get("tensors")
     if not isinstance(items, list):
-        raise IntegrityError(f"{where}: the manifest holds no list of tensors")
+        raise IntegrityError(f"{where}: the {what} holds no list of tensors")
+    return items
+
+
+def parse_manifest(text: Any, where: str) -> dict[str, TensorRecord]:
+    """node -> record, every field type-checked; its size and nesting are checked on the raw
+    text before it is parsed, and its tables against the chunk grids they claim to cover."""
+    items = manifest_items(text, where, "manifest", MANIFEST_VERSION, MAX_MANIFEST_DEPTH)
     out: dict[str, TensorRecord] = {}
     for item in items:
         if not isinstance(item, dict) or set(item) != _RECORD_KEYS:

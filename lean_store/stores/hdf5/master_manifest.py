@@ -21,7 +21,7 @@ import numpy as np
 
 from ...distributed.shard_spec import Box
 from ...errors import IntegrityError, UnsafeFileError
-from ...hardening import MAX_ATTR_BYTES, json_depth
+from .manifest import manifest_items
 
 MASTER_MANIFEST_ATTR = "master_manifest"
 MASTER_MANIFEST_VERSION = 1
@@ -88,24 +88,7 @@ def _source(item: Any, rank: int, node: str, where: str) -> Mapping:
 def parse_master_manifest(text: Any, where: str) -> dict[str, MasterRecord]:
     """node -> record, every field type-checked; its size and nesting are checked on the raw
     text before it is parsed, and every source name against the shard naming rules."""
-    if not isinstance(text, str):
-        raise IntegrityError(f"{where}: the master manifest attribute is not a string")
-    if len(text) > MAX_ATTR_BYTES:
-        raise UnsafeFileError(f"{where}: master manifest of {len(text)} bytes is too large")
-    depth = json_depth(text)
-    if depth > MAX_DEPTH:
-        raise UnsafeFileError(f"{where}: master manifest JSON nested {depth} levels deep; "
-                              "refusing it")
-    try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise IntegrityError(f"{where}: master manifest is not valid JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("version") != MASTER_MANIFEST_VERSION:
-        raise IntegrityError(f"{where}: master manifest version {str(doc)[:40]!r} is not "
-                             f"{MASTER_MANIFEST_VERSION}")
-    items = doc.get("tensors")
-    if not isinstance(items, list):
-        raise IntegrityError(f"{where}: the master manifest holds no list of tensors")
+    items = manifest_items(text, where, "master manifest", MASTER_MANIFEST_VERSION, MAX_DEPTH)
     out: dict[str, MasterRecord] = {}
     for item in items:
         if not isinstance(item, dict) or set(item) != _RECORD_KEYS:

@@ -318,12 +318,7 @@ class HDF5Writer(StoreWriter):
         queue, self._queue = self._queue, None
         if queue is None:
             return
-        try:
-            if flush:
-                queue.flush()
-        finally:
-            queue.cancel()
-            queue.pool.shutdown(wait=True, cancel_futures=True)
+        queue.finish(flush=flush)  # every chunk written before the root document
 
     def _close_quietly(self) -> None:
         self._stop_pool(flush=False)
