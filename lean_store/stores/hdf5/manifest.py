@@ -123,20 +123,28 @@ def parse_manifest(text: Any, where: str) -> dict[str, TensorRecord]:
     return out
 
 
-def attribute_differences(record: TensorRecord, attrs: dict[str, Any]) -> list[str]:
-    """How the attributes read from a dataset differ from its manifest record."""
+def value_differences(recorded: dict[str, Any], attrs: dict[str, Any], source: str,
+                      skip: frozenset[str] = frozenset()) -> list[str]:
+    """How the attributes read from a dataset (all but ``skip``) differ from the values its
+    record in ``source`` (a manifest's name, for the messages) holds."""
     problems = []
-    for key in sorted(set(record.attrs) | set(attrs) - {CHUNK_CRC_ATTR}):
-        got, want = attrs.get(key), record.attrs.get(key)
+    for key in sorted((set(recorded) | set(attrs)) - skip):
+        got, want = attrs.get(key), recorded.get(key)
         if isinstance(got, np.ndarray):
             got = tuple(got.tolist())
         if key not in attrs:
             problems.append(f"dataset attribute {key} is missing")
-        elif key not in record.attrs:
+        elif key not in recorded:
             problems.append(f"dataset attribute {key} was not written by lean_store")
         elif got != want:
-            problems.append(f"dataset attribute {key} is {got!r:.80}, the manifest says "
+            problems.append(f"dataset attribute {key} is {got!r:.80}, the {source} says "
                             f"{want!r:.80}")
+    return problems
+
+
+def attribute_differences(record: TensorRecord, attrs: dict[str, Any]) -> list[str]:
+    """How the attributes read from a dataset differ from its manifest record."""
+    problems = value_differences(record.attrs, attrs, "manifest", frozenset({CHUNK_CRC_ATTR}))
     table = attrs.get(CHUNK_CRC_ATTR)
     if not isinstance(table, np.ndarray) or table.shape != record.table.shape or not (
         np.array_equal(table, record.table)

@@ -17,11 +17,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ...distributed.shard_spec import Box
 from ...errors import IntegrityError, UnsafeFileError
-from .manifest import manifest_items
+from .manifest import manifest_items, value_differences
 
 MASTER_MANIFEST_ATTR = "master_manifest"
 MASTER_MANIFEST_VERSION = 1
@@ -110,18 +108,7 @@ def master_differences(record: MasterRecord, attrs: dict[str, Any], shape: tuple
                        mappings: list[Mapping]) -> list[str]:
     """How a master dataset (its attributes, shape and virtual mappings) differs from its
     record."""
-    problems = []
-    for key in sorted(set(record.attrs) | set(attrs)):
-        got, want = attrs.get(key), record.attrs.get(key)
-        if isinstance(got, np.ndarray):
-            got = tuple(got.tolist())
-        if key not in attrs:
-            problems.append(f"dataset attribute {key} is missing")
-        elif key not in record.attrs:
-            problems.append(f"dataset attribute {key} was not written by lean_store")
-        elif got != want:
-            problems.append(f"dataset attribute {key} is {got!r:.80}, the master manifest says "
-                            f"{want!r:.80}")
+    problems = value_differences(record.attrs, attrs, "master manifest")
     if shape != record.stored_shape:
         problems.append(f"dataset shape {shape} is not the master manifest's "
                         f"{record.stored_shape}")
