@@ -37,6 +37,7 @@ from numcodecs.fletcher32 import Fletcher32
 from ...errors import IntegrityError, UnsafeFileError
 from ..blosc_frames import FORMAT, decode_frame, frame_size_limit
 from ..ordered_pool import OrderedPool
+from .libhdf5 import chunk_lock
 
 BLOSC_FILTER = 32001
 """HDF5 filter id of Blosc (hdf5-blosc, hdf5plugin.Blosc)."""
@@ -151,10 +152,11 @@ def _stored_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes: in
     offset through HDF5's own descriptor ``fd`` into a reused buffer (offset and size checked
     against the file and the most a frame of the chunk can take), else ``H5Dread_chunk``."""
     try:
-        if fd is None:
-            mask, raw = dsid.read_direct_chunk(start)
-            return mask, np.frombuffer(raw, np.uint8)
-        info = dsid.get_chunk_info_by_coord(start)
+        with chunk_lock():
+            if fd is None:
+                mask, raw = dsid.read_direct_chunk(start)
+                return mask, np.frombuffer(raw, np.uint8)
+            info = dsid.get_chunk_info_by_coord(start)
     except (OSError, RuntimeError, ValueError, KeyError) as exc:
         raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} unreadable ({exc})"
                              ) from None

@@ -17,11 +17,18 @@ This is the one module of lean_store that goes past h5py's public API. It is use
 
 Otherwise :func:`library` is None and the callers use h5py's low-level API (the same file
 content, and the same checks). ``LEAN_STORE_HDF5_CTYPES=0`` turns it off.
+
+The same lock also guards lean_store's direct-chunk calls through h5py (:func:`chunk_lock`):
+h5py before 3.16 runs ``read_direct_chunk`` and ``write_direct_chunk`` without it (h5py pull
+request 2764), so a save or load raced other threads' HDF5 calls (errors such as "no VOL object
+wrap context", HDF5 metadata cache corruption, crashes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib
 import os
 import re
 from collections.abc import Sequence
@@ -156,14 +163,12 @@ def _loaded_path() -> str | None:
 def _load() -> Library | None:
     if os.environ.get("LEAN_STORE_HDF5_CTYPES", "1") == "0":
         return None
-    import importlib
-
     import h5py
     from h5py import h5s
 
-    lock = getattr(importlib.import_module("h5py._objects"), "phil", None)
+    lock = _h5py_lock()
     path = _loaded_path()
-    if lock is None or not hasattr(lock, "__enter__") or path is None:
+    if lock is None or path is None:
         return None
     try:
         lib = ctypes.PyDLL(path)
@@ -192,3 +197,22 @@ def library() -> Library | None:
     if not _LIBRARY:
         _LIBRARY.append(_load())
     return _LIBRARY[0]
+
+
+def _h5py_lock() -> Any:
+    """h5py's global re-entrant lock (``h5py._objects.phil``), or None if it is not there."""
+    lock = getattr(importlib.import_module("h5py._objects"), "phil", None)
+    return lock if hasattr(lock, "__enter__") and hasattr(lock, "__exit__") else None
+
+
+_CHUNK_LOCK: list[Any] = []
+
+
+def chunk_lock() -> Any:
+    """The lock to hold around h5py's direct-chunk calls (``read_direct_chunk``,
+    ``write_direct_chunk``, ``get_chunk_info*``): h5py's own lock, which h5py before 3.16 does
+    not take for them (h5py takes it again inside from 3.16: it is re-entrant). Where h5py
+    has no such lock, a no-op context."""
+    if not _CHUNK_LOCK:
+        _CHUNK_LOCK.append(_h5py_lock() or contextlib.nullcontext())
+    return _CHUNK_LOCK[0]

@@ -54,6 +54,7 @@ from .blosc import (
 from .checks import check_hdf5_present, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
+from .libhdf5 import chunk_lock
 from .manifest import (
     MANIFEST_ATTR,
     TensorRecord,
@@ -166,7 +167,8 @@ class HDF5TensorWriter(TensorWriter):
             self._deflate.submit(tuple(s.start for s in region), data)
             return
         payload = _FLETCHER32.encode(data) if self._fletcher32 else data
-        self._dset.write_direct_chunk(tuple(s.start for s in region), payload, 0)
+        with chunk_lock():
+            self._dset.write_direct_chunk(tuple(s.start for s in region), payload, 0)
 
     def write(self, region: Region, bits: np.ndarray, crc: int | None = None) -> None:
         """Write one chunk (``region`` is a whole chunk clipped to the dataset) and record
@@ -281,7 +283,8 @@ class HDF5Writer(StoreWriter):
         codes = [dcpl.get_filter(i) for i in range(dcpl.get_nfilters())]
 
         def put(offset: tuple[int, ...], payload: Any) -> None:
-            dset.write_direct_chunk(offset, payload, 0)
+            with chunk_lock():
+                dset.write_direct_chunk(offset, payload, 0)
 
         if blosc_fletcher32(dcpl) is not None:
             return BloscChunks(self._chunk_queue(), itemsize, self._fletcher32, put)
@@ -753,7 +756,8 @@ class HDF5Reader(StoreReader):
         ):
             return False
         try:
-            info = ds.get_chunk_info_by_coord(tuple(i * c for i, c in zip(coords, chunks)))
+            with chunk_lock():
+                info = ds.get_chunk_info_by_coord(tuple(i * c for i, c in zip(coords, chunks)))
         except (OSError, RuntimeError, ValueError, KeyError):
             return False
         offset, size = info.byte_offset, info.size
@@ -808,7 +812,8 @@ class HDF5Reader(StoreReader):
         if not whole or any(step != 1 for step in selection.step):
             return False
         try:
-            mask, raw = ds.read_direct_chunk(start)
+            with chunk_lock():
+                mask, raw = ds.read_direct_chunk(start)
         except (OSError, RuntimeError, ValueError, KeyError):
             return False  # e.g. a chunk never written: H5Dread knows the fill value
         if mask != 0:

@@ -9,6 +9,7 @@ import h5py
 from h5py import h5z
 
 from ..base import ChunkProblem, StoredTensor
+from .libhdf5 import chunk_lock
 
 _FILTER_NAMES = {1: "deflate", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit",
                  6: "scaleoffset", 32000: "lzf", 32001: "blosc"}
@@ -24,7 +25,8 @@ def structure_problems(ds: h5py.Dataset, info: StoredTensor) -> list[ChunkProble
         skippable = _skippable_filters(ds.id.get_create_plist())
         file_size = ds.file.id.get_filesize()
         for i in range(ds.id.get_num_chunks()):
-            chunk = ds.id.get_chunk_info(i)
+            with chunk_lock():
+                chunk = ds.id.get_chunk_info(i)
             coords = tuple(o // c for o, c in zip(chunk.chunk_offset, chunks))
             bad = _bad_skips(chunk.filter_mask, skippable)
             if bad:
