@@ -31,7 +31,6 @@ import json
 import os
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -225,58 +224,15 @@ def _same_bytes(base: Path, pieces: list[Any]) -> tuple[bool, bytes | None]:
 
 
 _COMPARE_BYTES = 1 << 20
-_SPLIT_BYTES = 2 * _COMPARE_BYTES  # a piece this large is compared in two halves at once
 _scratch = threading.local()
-_helper: tuple[int, ThreadPoolExecutor] | None = None  # (pid, one-thread pool) of this process
-_helper_lock = threading.Lock()
-
-
-def _helper_pool() -> ThreadPoolExecutor:
-    """This process's one-thread pool comparing the second half of large pieces (created
-    again in a forked child, where the parent's thread does not exist)."""
-    global _helper
-    with _helper_lock:
-        if _helper is None or _helper[0] != os.getpid():
-            _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="lean_store-compare"))
-        return _helper[1]
-
-
-def _forget_helper_in_child() -> None:
-    global _helper, _helper_lock
-    _helper, _helper_lock = None, threading.Lock()  # the lock may have been held at the fork
-
-
-os.register_at_fork(after_in_child=_forget_helper_in_child)
 
 
 def _file_holds(fd: int, offset: int, want: np.ndarray) -> bool:
-    """The file ``fd`` holds the contiguous uint8 array ``want`` at ``offset``. A piece of
-    2 MiB or more is compared in two halves at once, the second on a helper thread (``pread``
-    and ``memcmp`` release the GIL, so two cores share the work); the first half to differ
-    stops the other at its next window, and the helper is always waited for, so ``fd`` is
-    never read after the caller closes it."""
-    if want.size < _SPLIT_BYTES:
-        return _window_holds(fd, offset, want, None)
-    half = want.size // 2 // _COMPARE_BYTES * _COMPARE_BYTES
-    stop = threading.Event()
-    second = _helper_pool().submit(_window_holds, fd, offset + half, want[half:], stop)
-    same = False
-    try:
-        same = _window_holds(fd, offset, want[:half], stop)
-    finally:
-        if not same:
-            stop.set()
-        same_second = second.result()
-    return same and same_second
-
-
-def _window_holds(fd: int, offset: int, want: np.ndarray, stop: threading.Event | None
-                  ) -> bool:
-    """The comparison of one run of bytes: read in windows of at most 1 MiB into one reused
-    per-thread buffer (bounded memory) and compared with memcmp; a changed chunk stops at its
-    first differing window (or when ``stop`` is set: the other half differed). Read, not
-    mapped: a file truncated meanwhile by another process reads short (a difference) where a
-    mapping would raise SIGBUS and kill the process."""
+    """The file ``fd`` holds the contiguous uint8 array ``want`` at ``offset``: read in windows
+    of at most 1 MiB into one reused per-thread buffer (bounded memory) and compared with
+    memcmp; a changed chunk stops at its first differing window. Read, not mapped: a file
+    truncated meanwhile by another process reads short (a difference) where a mapping
+    would raise SIGBUS and kill the process."""
     buf: bytearray | None = getattr(_scratch, "buf", None)
     if buf is None:
         buf = _scratch.buf = bytearray(_COMPARE_BYTES)
@@ -284,16 +240,10 @@ def _window_holds(fd: int, offset: int, want: np.ndarray, stop: threading.Event 
     address: int = _scratch.address
     at = 0
     while at < want.size:
-        if stop is not None and stop.is_set():
-            return False
         n = min(_COMPARE_BYTES, want.size - at)
         if os.preadv(fd, [memoryview(buf)[:n]], offset + at) != n:
-            if stop is not None:
-                stop.set()
             return False
         if not _equal_at(address, want[at: at + n]):
-            if stop is not None:
-                stop.set()
             return False
         at += n
     return True
