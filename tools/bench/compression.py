@@ -17,6 +17,10 @@ Incremental: a larger MLP of the same shape (``--incremental-width``) fine-tuned
 last Linear layer trainable (~90 % of its parameters frozen), saved as Zarr training checkpoints
 by ``Checkpointer(incremental=True)`` against full steps of the same state, with and without
 its AdamW moments.
+``--stages`` also times each codec stage alone on the same weights (single calls, fastest of
+5): Blosc zstd level 1 with its byte shuffle and 1 MiB blocks on one thread (as on the save's
+pool threads) and on Blosc's own two threads, its decompression, the byte shuffle alone
+(numpy), zstd level 1 on each byte plane alone (speed and stored fraction), and CRC-32C.
 Results also go to a JSON file (``--json``).
 """
 
@@ -33,8 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import ml_dtypes
+import numpy as np
 import torch
+from numcodecs import blosc, zstd
 
 import lean_store as ls
 
@@ -143,6 +150,91 @@ def print_side_by_side(rows: list[dict[str, Any]]) -> None:
         print(f"{fmt:14} " + " ".join(f"{cell:>24}" for cell in cells))
 
 
+def _fastest(run: Any, *args: Any, repeat: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        run(*args)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _compress_all(chunks: list[np.ndarray], itemsize: int) -> list[bytes]:
+    return [blosc.compress(c, b"zstd", 1, blosc.SHUFFLE, 1 << 20, typesize=itemsize)
+            for c in chunks]
+
+
+def _decompress_all(frames: list[bytes], chunks: list[np.ndarray], out: np.ndarray) -> None:
+    for frame, chunk in zip(frames, chunks):
+        blosc.decompress(frame, out[: chunk.size])
+
+
+def _shuffle_all(words: list[np.ndarray]) -> None:
+    for w in words:
+        w.T.copy()
+
+
+def _zstd_all(codec: Any, planes: list[np.ndarray]) -> list[bytes]:
+    return [codec.encode(p) for p in planes]
+
+
+def _crc_all(chunks: list[np.ndarray]) -> None:
+    for c in chunks:
+        google_crc32c.value(c)
+
+
+def _stages(words: np.ndarray, itemsize: int) -> dict[str, float]:
+    """The stages on ``words`` (flat uint8) cut into 4 MiB chunks."""
+    chunks = [words[i: i + (4 << 20)] for i in range(0, words.size, 4 << 20)]
+    mib = words.size / MiB
+    row: dict[str, float] = {}
+    frames = _compress_all(chunks, itemsize)
+    out = np.empty(4 << 20, np.uint8)
+    for n in (1, 2):
+        blosc.set_nthreads(n)
+        row[f"blosc compress {n} thread(s)"] = mib / _fastest(_compress_all, chunks, itemsize)
+        row[f"blosc decompress {n} thread(s)"] = mib / _fastest(_decompress_all, frames,
+                                                                chunks, out)
+    row["stored fraction"] = sum(len(f) for f in frames) / words.size
+    whole = [c[: c.size // itemsize * itemsize].reshape(-1, itemsize) for c in chunks]
+    row["numpy byte shuffle"] = mib / _fastest(_shuffle_all, whole)
+    codec = zstd.Zstd(1)
+    for k in range(itemsize):
+        planes = [np.ascontiguousarray(w[:, k]) for w in whole]
+        size = sum(p.size for p in planes)
+        row[f"zstd 1 plane {k}"] = size / MiB / _fastest(_zstd_all, codec, planes, repeat=3)
+        row[f"zstd 1 plane {k} stored fraction"] = sum(
+            len(f) for f in _zstd_all(codec, planes)) / size
+    row["crc32c"] = mib / _fastest(_crc_all, chunks)
+    return row
+
+
+def bench_codec_stages(model: torch.nn.Module) -> dict[str, dict[str, float]]:
+    """MiB/s of each stage of ``compression="weights"`` alone, per format, over all of the
+    weights cut into 4 MiB chunks (the default chunk size)."""
+    result: dict[str, dict[str, float]] = {}
+    threads = blosc.get_nthreads()
+    try:
+        for fmt, state in formats_of(model).items():
+            arrays = [v if isinstance(v, np.ndarray) else v.view(torch.uint8).numpy()
+                      for v in state.values()]
+            words = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                                    for a in arrays])
+            first = next(iter(state.values()))
+            itemsize = first.itemsize if isinstance(first, np.ndarray) else first.element_size()
+            result[fmt] = _stages(words, itemsize)
+    finally:
+        blosc.set_nthreads(threads)
+    return result
+
+
+def print_codec_stages(stages: dict[str, dict[str, Any]]) -> None:
+    print("\ncodec stages alone (MiB/s of the stage's input; fastest of 5):")
+    for fmt, row in stages.items():
+        print(f"  {fmt}: " + ", ".join(
+            f"{k} {v:.3f}" if "fraction" in k else f"{k} {v:.0f}" for k, v in row.items()))
+
+
 def bench_incremental(model: torch.nn.Module, width: int, work: Path, steps: int
                       ) -> dict[str, Any]:
     """Fine-tune only the last Linear layer (the rest frozen); full vs incremental Zarr steps,
@@ -200,6 +292,8 @@ def main() -> None:
                     help="a .pt file of the trained weights: loaded when present, else written")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--stages", action="store_true",
+                    help="also time each codec stage alone (shuffle, zstd per byte plane, ...)")
     ap.add_argument("--hdf5-compressions", default="weights,weights-gzip",
                     help="comma-separated HDF5 settings to compare with uncompressed (e.g. "
                          "'weights' alone, to measure a lean_store without 'weights-gzip')")
@@ -221,6 +315,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="lean_store-bench-", dir=args.dir))
     try:
         (work / "formats").mkdir()
+        stages = bench_codec_stages(model) if args.stages else None
+        if stages is not None:
+            print_codec_stages(stages)
         rows = bench_formats(model, work / "formats", rounds=args.rounds)
         print(f"\n{'format':14} {'backend':7} {'comp':12} {'MiB':>8} {'saving':>7} "
               f"{'save MiB/s':>10} {'load MiB/s':>10} {'save x':>7} {'load x':>7}")
@@ -244,7 +341,8 @@ def main() -> None:
                   f"time x{inc[f'{what} time_ratio']:.3f} | steps left {part['steps_left']}, "
                   f"all verify {part['all_verify']}")
         if args.json:
-            Path(args.json).write_text(json.dumps({"formats": rows, "incremental": inc},
+            Path(args.json).write_text(json.dumps({"formats": rows, "incremental": inc,
+                                                   "codec_stages": stages},
                                                   indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
