@@ -71,6 +71,13 @@ _NOT_COMPRESSION = ("BytesCodec", "Crc32cCodec", "TransposeCodec", "ShardingCode
 _O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 SHARD_FACTOR = 8  # chunks per shard along the split axis, for tensors above SHARD_MIN_CHUNKS
 SHARD_MIN_CHUNKS = 8
+# a document plain_array_document builds without a compressor is the direct layout by
+# construction (``bytes`` little endian + ``crc32c``, the sharding index likewise): written
+# directly wherever the direct writer writes at all (a little-endian machine), without
+# re-reading its codecs per tensor (tests/stores/test_zarr_fast_metadata.py pins both)
+_PLAIN_DIRECT = direct_ok(plain_array_document((1,), np.dtype("<f4"), (1,), None, {}, ("x",))
+                          or {}) and direct_ok(plain_array_document(
+                              (16,), np.dtype("<f4"), (1,), (8,), {}, ("x",)) or {})
 
 
 _NATIVE: dict[ScalarFormat, np.dtype | None] = {}  # formats are few, frozen and hashable
@@ -323,7 +330,7 @@ class ZarrWriter(StoreWriter):
             # direct writer (Blosc chunks compressed on the writer's pool)
             doc = plain_array_document(shape, dtype, chunks, shards, _plain(attrs),
                                        dimension_names(entry), compressor)
-            if doc is not None and (direct_ok(doc) if compressor is None
+            if doc is not None and (_PLAIN_DIRECT if compressor is None
                                     else direct_ok(doc, compressed=True)):
                 array_dir = self._direct_root / node
                 linker = linker_for(array_dir, node, doc)  # incremental steps only
