@@ -27,6 +27,7 @@ from ...chunking import Region, grow_chunks, plan_chunks
 from ...errors import CheckpointError, CheckpointReplacedError, IntegrityError, UnsafeFileError
 from ...formats import ScalarFormat
 from ...layout import Entry
+from ...naming import node_name
 from ...replacement import PinnedRoot, SaveIdWatch, check_unchanged
 from ..base import (
     ChunkProblem,
@@ -50,11 +51,11 @@ from .checks import (
     touched_keys,
 )
 from .compat import (
+    EncodedDocument,
     ZarrUserWarning,
     blosc_document,
     consolidated_group_document,
     crc32c_codec,
-    encoded_document,
     json_document_bytes,
     local_root,
     metadata_document,
@@ -245,22 +246,21 @@ class ZarrTensorWriter(TensorWriter):
             return None
 
     def close(self, attrs: dict[str, Any]) -> None:
-        from ...naming import node_name
-
         if isinstance(self._array, dict):  # written once, with its final attributes
             doc = {**self._array, "attributes": {**self._array["attributes"], **_plain(attrs)}}
             assert self._array_dir is not None
-            text = encoded_document(doc)  # encoded once: this file, and the root's copy
+            raw = json_document_bytes(doc)  # encoded once: this file, and the root's copy
             folder = os.fspath(self._array_dir)
             if self._direct is None or not self._direct.made_folders:
                 make_dirs(folder)
             fd = os.open(f"{folder}/zarr.json", _O_CREATE, 0o666)
             try:
-                write_all(fd, [text.encode()])
+                write_all(fd, [raw])
             finally:
                 os.close(fd)
             if self._written is not None:
-                self._written[self._node or node_name(self.entry.name)] = text
+                self._written[self._node or node_name(self.entry.name)] = \
+                    EncodedDocument(raw.decode())
             return
         self._array.attrs.update(_plain(attrs))
         if self._written is not None:
@@ -314,8 +314,6 @@ class ZarrWriter(StoreWriter):
         self._all_direct = True
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
-        from ...naming import node_name
-
         fmt = entry.format
         shape = stored_shape(entry)
         dtype = native_dtype(fmt) or fmt.storage_dtype
