@@ -131,3 +131,11 @@ def test_torch_targets_whole_and_in_blocks(tmp_path: Path, suffix: str, budget: 
         assert torch.equal(target[name].view(torch.uint8) if name == "b" else target[name],
                            value.view(torch.uint8) if name == "b" else value), name
     assert not base[:, :20].any() and not base[:, 60:].any()
+
+
+def test_a_tensor_numpy_cannot_view_is_copied_by_torch() -> None:
+    from lean_store.sources.torch_source import _numpy_view
+
+    plain = torch.arange(4, dtype=torch.int32)
+    assert _numpy_view(plain) is not None
+    assert _numpy_view(torch._neg_view(plain)) is None  # then TorchTarget.write uses copy_
