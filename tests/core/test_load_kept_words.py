@@ -138,4 +138,6 @@ def test_a_tensor_numpy_cannot_view_is_copied_by_torch() -> None:
 
     plain = torch.arange(4, dtype=torch.int32)
     assert _numpy_view(plain) is not None
-    assert _numpy_view(torch._neg_view(plain)) is None  # then TorchTarget.write uses copy_
+    conjugate = torch.ones(3, dtype=torch.complex64).conj()  # a lazy view: numpy has none
+    assert conjugate.is_conj()
+    assert _numpy_view(conjugate) is None  # then TorchTarget.write uses copy_
