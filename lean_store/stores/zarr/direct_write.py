@@ -150,6 +150,7 @@ class DirectWriter:
         self._root = os.fspath(root)
         # None: uncompressed chunks (a plain document without a compressor: by construction)
         self._blosc = None if plain else _chunk_codecs(_inner_codecs(array))[1]
+        self._plain = plain
         self._queue = queue  # Blosc chunks compressed on its pool (else on the caller)
         self._array = array
         self._linker = linker  # incremental steps: a lean_store.stores.zarr.incremental.UnitLinker
@@ -175,7 +176,10 @@ class DirectWriter:
         one of the previous step without calling ``crc`` (see :attr:`defers_crc`)."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         unit = self._shards or self._chunks
-        key = chunk_key(self._array, tuple(s.start // u for s, u in zip(region, unit)))
+        coords = tuple(s.start // u for s, u in zip(region, unit))
+        # a plain document states the default chunk key encoding with "/" (by construction)
+        key = "c/" + "/".join(map(str, coords)) if self._plain and coords \
+            else chunk_key(self._array, coords)
         path = f"{self._root}/{key}"
         folder = path.rpartition("/")[0]
         if folder not in self._made:

@@ -78,6 +78,13 @@ class PlainArray:
         of every chunk (shard) file the array has, in C order of its grid."""
         itemsize = self.dtype.itemsize
         stored_chunk = math.prod(self.chunks) * itemsize + 4
+        if self.shards is None and all(self.shape) \
+                and all(c >= d for c, d in zip(self.chunks, self.shape)):
+            # one chunk holds the array (most small tensors): its one file
+            coords = (0,) * len(self.shape)
+            yield (f"{self.node}/c/{'/'.join('0' * len(coords))}", coords,
+                   None if self.compressed else stored_chunk)
+            return
         slots = math.prod(s // c for s, c in zip(self.shards or (), self.chunks))
         for coords in itertools.product(*map(range, grid_shape(self.shape, self.grid))):
             key = f"{self.node}/{self.key(coords)}"

@@ -27,6 +27,7 @@ from ...chunking import Region, grow_chunks, plan_chunks
 from ...errors import CheckpointError, CheckpointReplacedError, IntegrityError, UnsafeFileError
 from ...formats import ScalarFormat
 from ...layout import Entry
+from ...naming import node_name
 from ...replacement import PinnedRoot, SaveIdWatch, check_unchanged
 from ..base import (
     ChunkProblem,
@@ -50,11 +51,11 @@ from .checks import (
     touched_keys,
 )
 from .compat import (
+    EncodedDocument,
     ZarrUserWarning,
     blosc_document,
     consolidated_group_document,
     crc32c_codec,
-    encoded_document,
     json_document_bytes,
     local_root,
     metadata_document,
@@ -71,6 +72,13 @@ _NOT_COMPRESSION = ("BytesCodec", "Crc32cCodec", "TransposeCodec", "ShardingCode
 _O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 SHARD_FACTOR = 8  # chunks per shard along the split axis, for tensors above SHARD_MIN_CHUNKS
 SHARD_MIN_CHUNKS = 8
+# a document plain_array_document builds without a compressor is the direct layout by
+# construction (``bytes`` little endian + ``crc32c``, the sharding index likewise): written
+# directly wherever the direct writer writes at all (a little-endian machine), without
+# re-reading its codecs per tensor (tests/stores/test_zarr_fast_metadata.py pins both)
+_PLAIN_DIRECT = direct_ok(plain_array_document((1,), np.dtype("<f4"), (1,), None, {}, ("x",))
+                          or {}) and direct_ok(plain_array_document(
+                              (16,), np.dtype("<f4"), (1,), (8,), {}, ("x",)) or {})
 
 
 _NATIVE: dict[ScalarFormat, np.dtype | None] = {}  # formats are few, frozen and hashable
@@ -238,22 +246,21 @@ class ZarrTensorWriter(TensorWriter):
             return None
 
     def close(self, attrs: dict[str, Any]) -> None:
-        from ...naming import node_name
-
         if isinstance(self._array, dict):  # written once, with its final attributes
             doc = {**self._array, "attributes": {**self._array["attributes"], **_plain(attrs)}}
             assert self._array_dir is not None
-            text = encoded_document(doc)  # encoded once: this file, and the root's copy
+            raw = json_document_bytes(doc)  # encoded once: this file, and the root's copy
             folder = os.fspath(self._array_dir)
             if self._direct is None or not self._direct.made_folders:
                 make_dirs(folder)
             fd = os.open(f"{folder}/zarr.json", _O_CREATE, 0o666)
             try:
-                write_all(fd, [text.encode()])
+                write_all(fd, [raw])
             finally:
                 os.close(fd)
             if self._written is not None:
-                self._written[self._node or node_name(self.entry.name)] = text
+                self._written[self._node or node_name(self.entry.name)] = \
+                    EncodedDocument(raw.decode())
             return
         self._array.attrs.update(_plain(attrs))
         if self._written is not None:
@@ -307,8 +314,6 @@ class ZarrWriter(StoreWriter):
         self._all_direct = True
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
-        from ...naming import node_name
-
         fmt = entry.format
         shape = stored_shape(entry)
         dtype = native_dtype(fmt) or fmt.storage_dtype
@@ -323,7 +328,7 @@ class ZarrWriter(StoreWriter):
             # direct writer (Blosc chunks compressed on the writer's pool)
             doc = plain_array_document(shape, dtype, chunks, shards, _plain(attrs),
                                        dimension_names(entry), compressor)
-            if doc is not None and (direct_ok(doc) if compressor is None
+            if doc is not None and (_PLAIN_DIRECT if compressor is None
                                     else direct_ok(doc, compressed=True)):
                 array_dir = self._direct_root / node
                 linker = linker_for(array_dir, node, doc)  # incremental steps only
