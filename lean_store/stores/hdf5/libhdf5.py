@@ -32,6 +32,14 @@ _LIBNAME = re.compile(r"/libhdf5(?:-[0-9a-f]+)?\.so[0-9.]*$")  # not libhdf5_hl
 _hid = ctypes.c_int64  # hid_t since HDF5 1.10
 _int = ctypes.c_int
 H5P_DEFAULT = 0
+# H5O_info2_t (HDF5 1.12+): unsigned long fileno; H5O_token_t token (16 bytes); H5O_type_t
+# type; unsigned rc; time_t atime, mtime, ctime, btime; hsize_t num_attrs
+_INFO_TOKEN, _INFO_NUM_ATTRS_AT, _INFO_BYTES = 8, 64, 256  # (buffer larger than the struct)
+_INFO_BASIC, _INFO_NUM_ATTRS = 0x0001, 0x0004
+
+
+class _Token(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint8 * 16)]  # H5O_token_t, passed by value
 
 
 class Library:
@@ -50,11 +58,16 @@ class Library:
     _H5Sget_simple_extent_ndims: Any
     _H5Sget_simple_extent_npoints: Any
     _H5Sclose: Any
+    _H5Oget_info3: Any
+    _H5VLnative_token_to_addr: Any
 
     def __init__(self, lib: ctypes.PyDLL, lock: Any) -> None:
         self._lock = lock
         self._scratch = bytearray(256)  # where attributes are read to; used under the lock
         self._scratch_at = _address(self._scratch)
+        self._info = bytearray(_INFO_BYTES)  # an H5O_info2_t; used under the lock
+        self._info_at = _address(self._info)
+        self._address = ctypes.c_uint64()
         sig = {
             "H5Acreate2": (_hid, [_hid, ctypes.c_char_p, _hid, _hid, _hid, _hid]),
             "H5Awrite": (_int, [_hid, _hid, ctypes.c_char_p]),
@@ -69,6 +82,8 @@ class Library:
             "H5Sget_simple_extent_ndims": (_int, [_hid]),
             "H5Sget_simple_extent_npoints": (ctypes.c_int64, [_hid]),
             "H5Sclose": (_int, [_hid]),
+            "H5Oget_info3": (_int, [_hid, ctypes.c_void_p, ctypes.c_uint]),
+            "H5VLnative_token_to_addr": (_int, [_hid, _Token, ctypes.POINTER(ctypes.c_uint64)]),
         }
         for name, (restype, argtypes) in sig.items():
             fn = getattr(lib, name)
@@ -112,6 +127,20 @@ class Library:
                 finally:
                     self._H5Aclose(aid)
         return True
+
+    def object_header(self, oid: int) -> tuple[int, int] | None:
+        """(file address of the object header, number of attributes) of the object ``oid``
+        (``H5Oget_info3`` and ``H5VLnative_token_to_addr``), or None on failure."""
+        info = self._info
+        address = self._address
+        with self._lock:
+            if self._H5Oget_info3(oid, self._info_at, _INFO_BASIC | _INFO_NUM_ATTRS) < 0:
+                return None
+            token = _Token.from_buffer_copy(info, _INFO_TOKEN)
+            if self._H5VLnative_token_to_addr(oid, token, ctypes.byref(address)) < 0:
+                return None
+        return address.value, int.from_bytes(info[_INFO_NUM_ATTRS_AT:_INFO_NUM_ATTRS_AT + 8],
+                                             "little")
 
     def _same(self, aid: int, attr: Any) -> bool:
         tid = self._H5Aget_type(aid)

@@ -54,6 +54,7 @@ from .blosc import (
 from .checks import check_hdf5_present, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
+from .header_attrs import HeaderAttributes, header_match, learn_header
 from .manifest import (
     MANIFEST_ATTR,
     TensorRecord,
@@ -390,6 +391,7 @@ class HDF5Reader(StoreReader):
         # stored(): the read path asks libhdf5 for none of them again
         self._geometry: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
         self._format_types: dict[ScalarFormat, Any] = {}  # see type_mismatch
+        self._headers = HeaderAttributes(self._fd, self._file_size)  # see check_attributes
 
     @property
     def _manifest(self) -> dict[str, TensorRecord] | None:
@@ -575,7 +577,13 @@ class HDF5Reader(StoreReader):
         if record is None:
             return
         dsid = self._dsid(node)
-        if attrs_match(dsid, _written_attrs(record)):  # exactly as written: no decoding
+        expected = _written_attrs(record)
+        messages = self._headers.attribute_messages(dsid, len(expected))
+        if header_match(messages, expected):  # the header holds the bytes libhdf5 confirmed
+            self._attrs_checked.add(node)
+            return
+        if attrs_match(dsid, expected):  # exactly as written: no decoding
+            learn_header(messages, expected)
             self._attrs_checked.add(node)
             return
         names = [*record.attrs, CHUNK_CRC_ATTR]  # read and compared, to name the difference
