@@ -31,7 +31,7 @@ _OHDR, _OCHK = b"OHDR", b"OCHK"
 _NIL, _ATTRIBUTE, _CONTINUATION, _ATTRIBUTE_INFO = 0x00, 0x0C, 0x10, 0x15
 _SHARED = 0x02  # message flag: the body is a reference to a shared message
 _SUPERBLOCK = struct.Struct("<8sBBBBQQQQ")
-_U16 = struct.Struct("<H")
+_MESSAGE = struct.Struct("<BHB")  # type, size of the body, flags
 _UNDEFINED = b"\xff" * 8  # an undefined address
 _CONT = struct.Struct("<QQ")
 _ATTR_V3 = struct.Struct("<BBHHHB")
@@ -109,11 +109,15 @@ def attribute_messages(pread: Callable[[int, int], bytes], address: int, file_si
 def _messages(block: bytes, pos: int, end: int, order: int,
               found: dict[bytes, AttributeMessage]) -> list[tuple[int, int]] | None:
     """Add the attribute messages of one header chunk to ``found``; the continuation
-    chunks it points to, or None for anything this module does not read."""
+    chunks it points to, or None for anything this module does not read. An attribute
+    message must be of version 3 with no shared parts: version, flags, the sizes of its
+    name (with its NUL), datatype and dataspace, the name's encoding, then those, then its
+    data."""
     more: list[tuple[int, int]] = []
     step = 4 + order
+    unpack_message, unpack_attribute = _MESSAGE.unpack_from, _ATTR_V3.unpack_from
     while end - pos >= step:  # fewer bytes left: the gap before the checksum
-        kind, size, mflags = block[pos], _U16.unpack_from(block, pos + 1)[0], block[pos + 3]
+        kind, size, mflags = unpack_message(block, pos)
         body_at = pos + step
         pos = body_at + size
         if pos > end:
@@ -122,22 +126,28 @@ def _messages(block: bytes, pos: int, end: int, order: int,
             continue
         if mflags & _SHARED:
             return None  # a reference to a shared message: not read here
-        if kind == _ATTRIBUTE_INFO:
+        if kind == _ATTRIBUTE:
+            if size < _ATTR_V3.size:
+                return None
+            version, aflags, name_size, type_size, space_size, _ = unpack_attribute(
+                block, body_at)
+            name_end = body_at + _ATTR_V3.size + name_size
+            data_at = name_end + type_size + space_size
+            if version != 3 or aflags != 0 or name_size < 1 or data_at > pos or (
+                block[name_end - 1] != 0
+            ):
+                return None
+            name = block[body_at + _ATTR_V3.size:name_end - 1]
+            if name in found:
+                return None
+            found[name] = AttributeMessage(mflags, block[body_at:data_at], block[data_at:pos])
+        elif kind == _ATTRIBUTE_INFO:
             if not _compact_only(block[body_at:pos]):
                 return None  # dense attribute storage: not read here
-            continue
-        if kind == _CONTINUATION:
+        elif kind == _CONTINUATION:
             if size < _CONT.size:
                 return None
             more.append(_CONT.unpack_from(block, body_at))
-        elif kind == _ATTRIBUTE:
-            message = _attribute(block[body_at:pos], mflags)
-            if message is None:
-                return None
-            name, parsed = message
-            if name in found:
-                return None
-            found[name] = parsed
     return more
 
 
@@ -146,18 +156,3 @@ def _compact_only(body: bytes) -> bool:
     attributes are then exactly its attribute messages."""
     at = 4 if len(body) > 1 and body[1] & 0x01 else 2  # after the max. creation index
     return len(body) >= at + 8 and body[0] == 0 and body[at:at + 8] == _UNDEFINED
-
-
-def _attribute(body: bytes, mflags: int) -> tuple[bytes, AttributeMessage] | None:
-    """(name, message) of a version 3 attribute message body with no shared parts."""
-    if len(body) < _ATTR_V3.size:
-        return None
-    version, aflags, name_size, type_size, space_size, _encoding = _ATTR_V3.unpack_from(body)
-    if version != 3 or aflags != 0 or name_size < 1:
-        return None
-    name_end = _ATTR_V3.size + name_size
-    data_at = name_end + type_size + space_size
-    if data_at > len(body) or body[name_end - 1] != 0:
-        return None
-    return body[_ATTR_V3.size:name_end - 1], AttributeMessage(mflags, body[:data_at],
-                                                              body[data_at:])

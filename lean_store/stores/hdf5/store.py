@@ -55,6 +55,7 @@ from .checks import check_hdf5_present, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
 from .header_attrs import HeaderAttributes, header_match, learn_header
+from .libhdf5 import library
 from .manifest import (
     MANIFEST_ATTR,
     TensorRecord,
@@ -513,16 +514,26 @@ class HDF5Reader(StoreReader):
         dataset's shape or chunking is not the record's (re-chunked by a tool): the dataset's
         own attributes are read and checked then, as in a file without a manifest."""
         dsid = self._dsid(node)
-        dcpl = dsid.get_create_plist()
-        layout = dcpl.get_layout()
-        filters = _checked_filters(node, dcpl, layout)
-        shape = dsid.shape
-        chunks = dcpl.get_chunk() if layout == h5d.CHUNKED else None
+        lib = library()
+        facts = None if lib is None else lib.dataset_layout(dsid.id)
+        if facts is not None and facts.nfilters == 0 and facts.external == 0 and (
+            facts.layout in (h5d.CHUNKED, h5d.CONTIGUOUS, h5d.COMPACT)
+        ):  # no filter, nothing outside the file: _checked_filters has nothing to check
+            filters: list[str] = []
+            shape, chunks = facts.shape, facts.chunks
+            counts: tuple[int, int] | None = (facts.num_chunks, facts.storage_size)
+        else:
+            dcpl = dsid.get_create_plist()
+            layout = dcpl.get_layout()
+            filters = _checked_filters(node, dcpl, layout)
+            shape = dsid.shape
+            chunks = dcpl.get_chunk() if layout == h5d.CHUNKED else None
+            counts = None
         if shape != record.stored_shape or chunks != record.chunks:
             return None
         ftype = dsid.get_type()
         itemsize = ftype.get_size()
-        stored = self._check_present(node, dsid, shape, chunks, ftype, filters)
+        stored = self._check_present(node, dsid, shape, chunks, ftype, filters, counts)
         self._types[node] = ftype
         self._tables[node] = record.table
         self._geometry[node] = (shape, chunks, itemsize)
@@ -535,17 +546,18 @@ class HDF5Reader(StoreReader):
         )
 
     def _check_present(self, node: str, dsid: Any, shape: tuple[int, ...],
-                       chunks: tuple[int, ...], ftype: Any, filters: list[str]) -> int | None:
+                       chunks: tuple[int, ...], ftype: Any, filters: list[str],
+                       counts: tuple[int, int] | None = None) -> int | None:
         """:func:`lean_store.stores.hdf5.checks.check_hdf5_present` on low-level ids: every chunk
         allocated, inside the file, and (uncompressed) as large as its values need. The bytes
-        its chunks take in the file (None for a dataset without values: nothing checked)."""
+        its chunks take in the file (None for a dataset without values: nothing checked).
+        ``counts``: (chunks allocated, bytes they take), when already asked."""
         if math.prod(shape) == 0:
             return None
         check_chunk_shape(node, chunks, shape, ftype.get_size())
         expected = chunk_count(shape, chunks)
         try:
-            present = dsid.get_num_chunks()
-            stored = dsid.get_storage_size()
+            present, stored = counts or (dsid.get_num_chunks(), dsid.get_storage_size())
             if self._filesize is None:
                 self._filesize = self._file.id.get_filesize()
         except (OSError, RuntimeError, ValueError) as exc:
@@ -760,14 +772,20 @@ class HDF5Reader(StoreReader):
             out.shape, chunks
         ):
             return False
-        try:
-            info = ds.get_chunk_info_by_coord(tuple(i * c for i, c in zip(coords, chunks)))
-        except (OSError, RuntimeError, ValueError, KeyError):
-            return False
-        offset, size = info.byte_offset, info.size
+        start = tuple(i * c for i, c in zip(coords, chunks))
+        lib = library()
+        found = None if lib is None else lib.chunk_info(ds.id, start)
+        if found is not None:
+            mask, offset, size = found
+        else:  # through h5py (which raises its error where libhdf5 fails)
+            try:
+                info = ds.get_chunk_info_by_coord(start)
+            except (OSError, RuntimeError, ValueError, KeyError):
+                return False
+            mask, offset, size = info.filter_mask, info.byte_offset, info.size
         full = math.prod(chunks) * (ds.get_type().get_size() if geometry is None
                                     else geometry[2])
-        if offset is None or info.filter_mask != 0 or size != full or out.nbytes > size:
+        if offset is None or mask != 0 or size != full or out.nbytes > size:
             return False
         if offset + size > self._file_size:
             raise IntegrityError(f"tensor {node!r}: chunk {coords} lies past the end of the file")
