@@ -39,17 +39,18 @@ _INFO_BASIC, _INFO_NUM_ATTRS = 0x0001, 0x0004
 
 
 _MAX_RANK = 32  # H5S_MAX_RANK
+_MAX_FILTERS = 8  # filters read here (HDF5 allows 32; lean_store writes at most 4)
 _CHUNKED = 2  # H5D_CHUNKED
 _UNDEFINED_ADDRESS = 2**64 - 1  # HADDR_UNDEF
 
 
 class DatasetLayout(NamedTuple):
-    """A dataset's storage as libhdf5 reports it: layout class (``H5D_CHUNKED`` ...), number
-    of filters, of external files, its shape, its chunk shape (None unless chunked), the
+    """A dataset's storage as libhdf5 reports it: layout class (``H5D_CHUNKED`` ...), its
+    filters, the number of external files, its shape, its chunk shape (None unless chunked), the
     chunks allocated, and the bytes they take."""
 
     layout: int
-    nfilters: int
+    filters: tuple[int, ...]  # the filters' ids, in order
     external: int
     shape: tuple[int, ...]
     chunks: tuple[int, ...] | None
@@ -85,6 +86,7 @@ class Library:
     _H5Pget_external_count: Any
     _H5Pget_chunk: Any
     _H5Pclose: Any
+    _H5Pget_filter2: Any
     _H5Dget_space: Any
     _H5Sget_simple_extent_dims: Any
     _H5Dget_num_chunks: Any
@@ -110,6 +112,11 @@ class Library:
         self._chunk_addr = ctypes.c_uint64()
         self._addr_at = ctypes.addressof(self._chunk_addr)
         self._chunk_size = ctypes.c_uint64()
+        self._flags, self._nelmts, self._config = ctypes.c_uint(), ctypes.c_size_t(), (
+            ctypes.c_uint())
+        self._flags_at = ctypes.addressof(self._flags)
+        self._nelmts_at = ctypes.addressof(self._nelmts)
+        self._config_at = ctypes.addressof(self._config)
         self._size_at = ctypes.addressof(self._chunk_size)
         sig = {
             "H5Acreate2": (_hid, [_hid, ctypes.c_char_p, _hid, _hid, _hid, _hid]),
@@ -132,6 +139,9 @@ class Library:
             "H5Pget_external_count": (_int, [_hid]),
             "H5Pget_chunk": (_int, [_hid, _int, ctypes.c_void_p]),
             "H5Pclose": (_int, [_hid]),
+            "H5Pget_filter2": (_int, [_hid, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                      ctypes.c_void_p]),
             "H5Dget_space": (_hid, [_hid]),
             "H5Sget_simple_extent_dims": (_int, [_hid, ctypes.c_void_p, ctypes.c_void_p]),
             "H5Dget_num_chunks": (_int, [_hid, _hid, ctypes.c_void_p]),
@@ -211,9 +221,13 @@ class Library:
                 external = self._H5Pget_external_count(dcpl)
                 rank = self._H5Pget_chunk(dcpl, _MAX_RANK, self._dims_at) if layout == (
                     _CHUNKED) else 0
+                filters = tuple(self._filter(dcpl, i) for i in range(min(nfilters,
+                                                                         _MAX_FILTERS)))
             finally:
                 self._H5Pclose(dcpl)
-            if layout < 0 or nfilters < 0 or external < 0 or rank < 0:
+            if layout < 0 or nfilters < 0 or external < 0 or rank < 0 or (
+                nfilters > _MAX_FILTERS or any(f < 0 for f in filters)
+            ):
                 return None
             chunks = tuple(dims[:rank]) if layout == _CHUNKED else None
             sid = self._H5Dget_space(did)
@@ -227,8 +241,15 @@ class Library:
             if chunks is not None and self._H5Dget_num_chunks(did, 0, self._count_at) < 0:
                 return None
             stored = self._H5Dget_storage_size(did)
-        return DatasetLayout(layout, nfilters, external, shape, chunks,
+        return DatasetLayout(layout, filters, external, shape, chunks,
                              count.value if chunks is not None else 0, stored)
+
+    def _filter(self, dcpl: int, index: int) -> int:
+        """The id of filter ``index`` of the creation property list ``dcpl`` (under the
+        lock); no parameters are copied (their count is passed as 0)."""
+        self._nelmts.value = 0
+        return self._H5Pget_filter2(dcpl, index, self._flags_at, self._nelmts_at, None, 0,
+                                    None, self._config_at)
 
     def chunk_info(self, did: int, start: tuple[int, ...]) -> tuple[int, int, int] | None:
         """(filter mask, file address, stored size) of the chunk of ``did`` that starts at

@@ -516,10 +516,11 @@ class HDF5Reader(StoreReader):
         dsid = self._dsid(node)
         lib = library()
         facts = None if lib is None else lib.dataset_layout(dsid.id)
-        if facts is not None and facts.nfilters == 0 and facts.external == 0 and (
-            facts.layout in (h5d.CHUNKED, h5d.CONTIGUOUS, h5d.COMPACT)
-        ):  # no filter, nothing outside the file: _checked_filters has nothing to check
-            filters: list[str] = []
+        if facts is not None and facts.external == 0 and facts.layout in (
+            h5d.CHUNKED, h5d.CONTIGUOUS, h5d.COMPACT
+        ) and all(f in ALLOWED_FILTERS and f != BLOSC_FILTER for f in facts.filters):
+            # what _checked_filters checks, Blosc's parameters apart (h5py's path below)
+            filters: list[str] = [_FILTER_NAMES.get(f, str(f)) for f in facts.filters]
             shape, chunks = facts.shape, facts.chunks
             counts: tuple[int, int] | None = (facts.num_chunks, facts.storage_size)
         else:
