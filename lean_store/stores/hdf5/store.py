@@ -539,6 +539,8 @@ class HDF5Reader(StoreReader):
         self._tables[node] = record.table
         self._geometry[node] = (shape, chunks, itemsize)
         self._plain[node] = not filters  # chunked (checked above), no filter, nothing external
+        if filters == ["fletcher32"]:  # what _read_chunk asks h5py otherwise
+            self._direct_chunks[node] = (chunks, shape, None, itemsize)
         return StoredTensor(
             node=node, attrs=dict(record.attrs), stored_shape=shape, chunk_shape=chunks,
             storage="hdf5", itemsize=itemsize,
@@ -834,12 +836,14 @@ class HDF5Reader(StoreReader):
         )
         if not whole or any(step != 1 for step in selection.step):
             return False
-        try:
-            mask, raw = ds.read_direct_chunk(start)
-        except (OSError, RuntimeError, ValueError, KeyError):
-            return False  # e.g. a chunk never written: H5Dread knows the fill value
-        if mask != 0:
-            return False
+        raw = self._pread_stored_chunk(node, ds, start, math.prod(chunks) * itemsize + 4)
+        if raw is None:
+            try:
+                mask, raw = ds.read_direct_chunk(start)
+            except (OSError, RuntimeError, ValueError, KeyError):
+                return False  # e.g. a chunk never written: H5Dread knows the fill value
+            if mask != 0:
+                return False
         try:
             data = _FLETCHER32.decode(raw)
         except RuntimeError as exc:
@@ -847,6 +851,28 @@ class HDF5Reader(StoreReader):
         flat = out.view(np.uint8).reshape(-1)
         flat[...] = np.frombuffer(data, np.uint8, count=flat.size)
         return True
+
+    def _pread_stored_chunk(self, node: str, ds: h5d.DatasetID, start: tuple[int, ...],
+                            size: int) -> bytes | None:
+        """The stored bytes of the chunk at ``start`` (what ``H5Dread_chunk`` returns) read
+        with one ``pread`` from its file offset, when every filter was applied and it takes
+        ``size`` bytes (offset and size checked against the file); None: ask HDF5."""
+        lib, fd = library(), self._fd
+        found = None if lib is None or fd is None else lib.chunk_info(ds.id, start)
+        if fd is None or found is None or found[0] != 0 or found[2] != size:
+            return None
+        offset = found[1]
+        if offset + size > self._file_size:
+            raise IntegrityError(f"tensor {node!r}: chunk at {start} lies past the end of the "
+                                 "file")
+        try:
+            raw = os.pread(fd, size, offset)
+        except OSError as exc:
+            raise IntegrityError(f"tensor {node!r}: chunk at {start} unreadable ({exc})"
+                                 ) from None
+        if len(raw) != size:
+            raise IntegrityError(f"tensor {node!r}: chunk at {start} is truncated")
+        return raw
 
     def close(self) -> None:
         self._fd = None  # HDF5's own descriptor: closed with the file
