@@ -204,8 +204,8 @@ class Library:
             token = _Token.from_buffer_copy(info, _INFO_TOKEN)
             if self._H5VLnative_token_to_addr(oid, token, ctypes.byref(address)) < 0:
                 return None
-        return address.value, int.from_bytes(info[_INFO_NUM_ATTRS_AT:_INFO_NUM_ATTRS_AT + 8],
-                                             "little")
+            return address.value, int.from_bytes(
+                info[_INFO_NUM_ATTRS_AT:_INFO_NUM_ATTRS_AT + 8], "little")
 
     def dataset_layout(self, did: int) -> DatasetLayout | None:
         """What the open checks of a dataset ask libhdf5 (see :class:`DatasetLayout`), in
@@ -241,8 +241,8 @@ class Library:
             if chunks is not None and self._H5Dget_num_chunks(did, 0, self._count_at) < 0:
                 return None
             stored = self._H5Dget_storage_size(did)
-        return DatasetLayout(layout, filters, external, shape, chunks,
-                             count.value if chunks is not None else 0, stored)
+            return DatasetLayout(layout, filters, external, shape, chunks,
+                                 count.value if chunks is not None else 0, stored)
 
     def _filter(self, dcpl: int, index: int) -> int:
         """The id of filter ``index`` of the creation property list ``dcpl`` (under the
@@ -257,17 +257,15 @@ class Library:
         failure."""
         if len(start) > _MAX_RANK:
             return None
-        coords = self._coords
-        for i, value in enumerate(start):
-            coords[i] = value
-        with self._lock:
+        with self._lock:  # the outputs are shared: read them before another call can
+            coords = self._coords
+            for i, value in enumerate(start):
+                coords[i] = value
             if self._H5Dget_chunk_info_by_coord(did, self._coords_at, self._mask_at,
                                                 self._addr_at, self._size_at) < 0:
                 return None
-        address = self._chunk_addr.value
-        if address == _UNDEFINED_ADDRESS:
-            return None
-        return self._mask.value, address, self._chunk_size.value
+            found = self._mask.value, self._chunk_addr.value, self._chunk_size.value
+        return None if found[1] == _UNDEFINED_ADDRESS else found
 
     def _same(self, aid: int, attr: Any) -> bool:
         tid = self._H5Aget_type(aid)
