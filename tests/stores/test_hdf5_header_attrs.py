@@ -76,7 +76,7 @@ def test_the_header_holds_every_attribute_as_written(tmp_path: Path) -> None:
             raw = np.asarray(value, np.uint32).tobytes()
         else:
             raw = encode_attr(key, ls.stores.hdf5.checks.from_hdf5_attr(value)).raw
-        assert messages[key.encode()].data.startswith(raw)
+        assert messages[key.encode()][2].startswith(raw)
 
 
 def test_a_second_load_takes_the_header_path(tmp_path: Path, monkeypatch) -> None:
@@ -168,8 +168,8 @@ def test_bytes_changed_inside_the_header_are_caught(tmp_path: Path) -> None:
     data = path.read_bytes()
     raw = struct.pack("<q", 1)  # the index of "b" in the layout
     at = data.find(b"index\0")
-    assert at > 0 and raw == messages[b"index"].data[:8]
-    spot = data.index(messages[b"index"].prefix[-8:] + raw, at) + 8  # "index"'s data
+    assert at > 0 and raw == messages[b"index"][2][:8]
+    spot = data.index(messages[b"index"][1][-8:] + raw, at) + 8  # "index"'s data
     damaged = bytearray(data)
     damaged[spot] ^= 0x01
     path.write_bytes(bytes(damaged))
@@ -214,7 +214,7 @@ def _parse(header: bytes) -> dict | None:
 def test_the_parser_reads_only_the_headers_it_knows() -> None:
     one = _attr(b"index", struct.pack("<q", 3))
     found = _parse(_header([(0x0C, 0, one)]))
-    assert found is not None and found[b"index"].data == struct.pack("<q", 3)
+    assert found is not None and found[b"index"][2] == struct.pack("<q", 3)
     compact = b"\x00\x00" + b"\xff" * 16
     assert _parse(_header([(0x15, 0, compact), (0x0C, 0, one)])) is not None
     dense = b"\x00\x00" + struct.pack("<Q", 4096) + b"\xff" * 8  # a fractal heap

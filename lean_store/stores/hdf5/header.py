@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from typing import NamedTuple
 
 MAX_HEADER_CHUNK = 1 << 16  # bytes of one header chunk read (lean_store's: under 1 KiB)
 MAX_HEADER_CHUNKS = 8  # chunks followed (lean_store's datasets have 1 or 2)
@@ -37,14 +36,10 @@ _CONT = struct.Struct("<QQ")
 _ATTR_V3 = struct.Struct("<BBHHHB")
 
 
-class AttributeMessage(NamedTuple):
-    """One attribute message: its header flags, the bytes encoding version, flags, name,
-    datatype and dataspace (``prefix``), and the bytes after them (its data, possibly followed
-    by a few bytes of padding the message was allocated with)."""
-
-    flags: int
-    prefix: bytes
-    data: bytes
+AttributeMessage = tuple[int, bytes, bytes]
+"""One attribute message: its header flags, the bytes encoding version, flags, name, datatype
+and dataspace (its *prefix*), and the bytes after them (its data, possibly followed by a few
+bytes of padding the message was allocated with). A plain tuple: a header holds a dozen."""
 
 
 def plain_superblock(head: bytes) -> bool:
@@ -140,7 +135,7 @@ def _messages(block: bytes, pos: int, end: int, order: int,
             name = block[body_at + _ATTR_V3.size:name_end - 1]
             if name in found:
                 return None
-            found[name] = AttributeMessage(mflags, block[body_at:data_at], block[data_at:pos])
+            found[name] = (mflags, block[body_at:data_at], block[data_at:pos])
         elif kind == _ATTRIBUTE_INFO:
             if not _compact_only(block[body_at:pos]):
                 return None  # dense attribute storage: not read here

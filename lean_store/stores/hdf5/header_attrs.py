@@ -85,9 +85,9 @@ def header_match(messages: dict[bytes, AttributeMessage] | None,
         message = messages.get(attr.name)
         known = _CONFIRMED.get((attr.name, id(attr.ftype), attr.data.shape))
         if message is None or known is None or known[0] is not attr.ftype or (
-            message.flags, message.prefix) not in known[1]:
+            message[0], message[1]) not in known[1]:
             return False
-        data = message.data
+        data = message[2]
         if not data.startswith(attr.raw) or len(data) - len(attr.raw) >= MAX_PADDING:
             return False
     return True
@@ -105,7 +105,7 @@ def learn_header(messages: dict[bytes, AttributeMessage] | None,
         _CONFIRMED.clear()
     for attr in expected:
         message = messages.get(attr.name)
-        data = None if message is None else message.data
+        data = None if message is None else message[2]
         if data is None or not data.startswith(attr.raw) or (
             len(data) - len(attr.raw) >= MAX_PADDING
         ):
@@ -116,4 +116,4 @@ def learn_header(messages: dict[bytes, AttributeMessage] | None,
         if known is None or known[0] is not attr.ftype:
             known = _CONFIRMED[key] = (attr.ftype, set())
         if len(known[1]) < 8:
-            known[1].add((message.flags, message.prefix))
+            known[1].add((message[0], message[1]))
