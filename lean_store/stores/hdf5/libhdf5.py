@@ -112,11 +112,11 @@ class Library:
         self._chunk_addr = ctypes.c_uint64()
         self._addr_at = ctypes.addressof(self._chunk_addr)
         self._chunk_size = ctypes.c_uint64()
-        self._flags, self._nelmts, self._config = ctypes.c_uint(), ctypes.c_size_t(), (
+        self._flags, self._nelmts, self._filter_config = ctypes.c_uint(), ctypes.c_size_t(), (
             ctypes.c_uint())
         self._flags_at = ctypes.addressof(self._flags)
         self._nelmts_at = ctypes.addressof(self._nelmts)
-        self._config_at = ctypes.addressof(self._config)
+        self._filter_config_at = ctypes.addressof(self._filter_config)
         self._size_at = ctypes.addressof(self._chunk_size)
         sig = {
             "H5Acreate2": (_hid, [_hid, ctypes.c_char_p, _hid, _hid, _hid, _hid]),
@@ -249,7 +249,7 @@ class Library:
         lock); no parameters are copied (their count is passed as 0)."""
         self._nelmts.value = 0
         return self._H5Pget_filter2(dcpl, index, self._flags_at, self._nelmts_at, None, 0,
-                                    None, self._config_at)
+                                    None, self._filter_config_at)
 
     def chunk_info(self, did: int, start: tuple[int, ...]) -> tuple[int, int, int] | None:
         """(filter mask, file address, stored size) of the chunk of ``did`` that starts at
