@@ -59,12 +59,18 @@ class Box:
         return tuple(slice(s.start - o, s.stop - o) for s, o in zip(region, self.offsets))
 
     def intersect(self, other: Box) -> Box | None:
-        """The common block, or None when the boxes share no element."""
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
-        if any(h <= lo_ for lo_, h in zip(lo, hi)):
-            return None
-        return Box(lo, tuple(h - lo_ for lo_, h in zip(lo, hi)))
+        """The common block, or None when the boxes share no element. (One loop: a sharded
+        load asks this thousands of times.)"""
+        lo: list[int] = []
+        lengths: list[int] = []
+        for a, n, b, m in zip(self.offsets, self.lengths, other.offsets, other.lengths):
+            start = a if a > b else b
+            stop = min(a + n, b + m)
+            if stop <= start:
+                return None
+            lo.append(start)
+            lengths.append(stop - start)
+        return Box(tuple(lo), tuple(lengths))
 
     def inside(self, shape: Sequence[int]) -> bool:
         return len(shape) == len(self.offsets) and all(

@@ -32,13 +32,41 @@ import importlib
 import os
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 _MAPS = "/proc/self/maps"
 _LIBNAME = re.compile(r"/libhdf5(?:-[0-9a-f]+)?\.so[0-9.]*$")  # not libhdf5_hl
 _hid = ctypes.c_int64  # hid_t since HDF5 1.10
 _int = ctypes.c_int
 H5P_DEFAULT = 0
+# H5O_info2_t (HDF5 1.12+): unsigned long fileno; H5O_token_t token (16 bytes); H5O_type_t
+# type; unsigned rc; time_t atime, mtime, ctime, btime; hsize_t num_attrs
+_INFO_TOKEN, _INFO_NUM_ATTRS_AT, _INFO_BYTES = 8, 64, 256  # (buffer larger than the struct)
+_INFO_BASIC, _INFO_NUM_ATTRS = 0x0001, 0x0004
+
+
+_MAX_RANK = 32  # H5S_MAX_RANK
+_MAX_FILTERS = 8  # filters read here (HDF5 allows 32; lean_store writes at most 4)
+_CHUNKED = 2  # H5D_CHUNKED
+_UNDEFINED_ADDRESS = 2**64 - 1  # HADDR_UNDEF
+
+
+class DatasetLayout(NamedTuple):
+    """A dataset's storage as libhdf5 reports it: layout class (``H5D_CHUNKED`` ...), its
+    filters, the number of external files, its shape, its chunk shape (None unless chunked), the
+    chunks allocated, and the bytes they take."""
+
+    layout: int
+    filters: tuple[int, ...]  # the filters' ids, in order
+    external: int
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...] | None
+    num_chunks: int
+    storage_size: int
+
+
+class _Token(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint8 * 16)]  # H5O_token_t, passed by value
 
 
 class Library:
@@ -57,11 +85,46 @@ class Library:
     _H5Sget_simple_extent_ndims: Any
     _H5Sget_simple_extent_npoints: Any
     _H5Sclose: Any
+    _H5Oget_info3: Any
+    _H5VLnative_token_to_addr: Any
+    _H5Dget_create_plist: Any
+    _H5Pget_layout: Any
+    _H5Pget_nfilters: Any
+    _H5Pget_external_count: Any
+    _H5Pget_chunk: Any
+    _H5Pclose: Any
+    _H5Pget_filter2: Any
+    _H5Dget_space: Any
+    _H5Sget_simple_extent_dims: Any
+    _H5Dget_num_chunks: Any
+    _H5Dget_storage_size: Any
+    _H5Dget_chunk_info_by_coord: Any
 
     def __init__(self, lib: ctypes.PyDLL, lock: Any) -> None:
         self._lock = lock
         self._scratch = bytearray(256)  # where attributes are read to; used under the lock
         self._scratch_at = _address(self._scratch)
+        self._info = bytearray(_INFO_BYTES)  # an H5O_info2_t; used under the lock
+        self._info_at = _address(self._info)
+        self._address = ctypes.c_uint64()
+        # outputs of dataset_layout and chunk_info, used under the lock
+        self._dims = (ctypes.c_uint64 * _MAX_RANK)()
+        self._dims_at = ctypes.addressof(self._dims)
+        self._count = ctypes.c_uint64()
+        self._count_at = ctypes.addressof(self._count)
+        self._coords = (ctypes.c_uint64 * _MAX_RANK)()
+        self._coords_at = ctypes.addressof(self._coords)
+        self._mask = ctypes.c_uint()
+        self._mask_at = ctypes.addressof(self._mask)
+        self._chunk_addr = ctypes.c_uint64()
+        self._addr_at = ctypes.addressof(self._chunk_addr)
+        self._chunk_size = ctypes.c_uint64()
+        self._flags, self._nelmts, self._filter_config = ctypes.c_uint(), ctypes.c_size_t(), (
+            ctypes.c_uint())
+        self._flags_at = ctypes.addressof(self._flags)
+        self._nelmts_at = ctypes.addressof(self._nelmts)
+        self._filter_config_at = ctypes.addressof(self._filter_config)
+        self._size_at = ctypes.addressof(self._chunk_size)
         sig = {
             "H5Acreate2": (_hid, [_hid, ctypes.c_char_p, _hid, _hid, _hid, _hid]),
             "H5Awrite": (_int, [_hid, _hid, ctypes.c_char_p]),
@@ -76,6 +139,23 @@ class Library:
             "H5Sget_simple_extent_ndims": (_int, [_hid]),
             "H5Sget_simple_extent_npoints": (ctypes.c_int64, [_hid]),
             "H5Sclose": (_int, [_hid]),
+            "H5Oget_info3": (_int, [_hid, ctypes.c_void_p, ctypes.c_uint]),
+            "H5Dget_create_plist": (_hid, [_hid]),
+            "H5Pget_layout": (_int, [_hid]),
+            "H5Pget_nfilters": (_int, [_hid]),
+            "H5Pget_external_count": (_int, [_hid]),
+            "H5Pget_chunk": (_int, [_hid, _int, ctypes.c_void_p]),
+            "H5Pclose": (_int, [_hid]),
+            "H5Pget_filter2": (_int, [_hid, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                      ctypes.c_void_p]),
+            "H5Dget_space": (_hid, [_hid]),
+            "H5Sget_simple_extent_dims": (_int, [_hid, ctypes.c_void_p, ctypes.c_void_p]),
+            "H5Dget_num_chunks": (_int, [_hid, _hid, ctypes.c_void_p]),
+            "H5Dget_storage_size": (ctypes.c_uint64, [_hid]),
+            "H5Dget_chunk_info_by_coord": (_int, [_hid, ctypes.c_void_p, ctypes.c_void_p,
+                                                  ctypes.c_void_p, ctypes.c_void_p]),
+            "H5VLnative_token_to_addr": (_int, [_hid, _Token, ctypes.POINTER(ctypes.c_uint64)]),
         }
         for name, (restype, argtypes) in sig.items():
             fn = getattr(lib, name)
@@ -119,6 +199,80 @@ class Library:
                 finally:
                     self._H5Aclose(aid)
         return True
+
+    def object_header(self, oid: int) -> tuple[int, int] | None:
+        """(file address of the object header, number of attributes) of the object ``oid``
+        (``H5Oget_info3`` and ``H5VLnative_token_to_addr``), or None on failure."""
+        info = self._info
+        address = self._address
+        with self._lock:
+            if self._H5Oget_info3(oid, self._info_at, _INFO_BASIC | _INFO_NUM_ATTRS) < 0:
+                return None
+            token = _Token.from_buffer_copy(info, _INFO_TOKEN)
+            if self._H5VLnative_token_to_addr(oid, token, ctypes.byref(address)) < 0:
+                return None
+            return address.value, int.from_bytes(
+                info[_INFO_NUM_ATTRS_AT:_INFO_NUM_ATTRS_AT + 8], "little")
+
+    def dataset_layout(self, did: int) -> DatasetLayout | None:
+        """What the open checks of a dataset ask libhdf5 (see :class:`DatasetLayout`), in
+        one pass; None on any failure (the caller asks h5py, which raises its error)."""
+        dims, count = self._dims, self._count
+        with self._lock:
+            dcpl = self._H5Dget_create_plist(did)
+            if dcpl < 0:
+                return None
+            try:
+                layout = self._H5Pget_layout(dcpl)
+                nfilters = self._H5Pget_nfilters(dcpl)
+                external = self._H5Pget_external_count(dcpl)
+                rank = self._H5Pget_chunk(dcpl, _MAX_RANK, self._dims_at) if layout == (
+                    _CHUNKED) else 0
+                filters = tuple(self._filter(dcpl, i) for i in range(min(nfilters,
+                                                                         _MAX_FILTERS)))
+            finally:
+                self._H5Pclose(dcpl)
+            if layout < 0 or nfilters < 0 or external < 0 or rank < 0 or (
+                nfilters > _MAX_FILTERS or any(f < 0 for f in filters)
+            ):
+                return None
+            chunks = tuple(dims[:rank]) if layout == _CHUNKED else None
+            sid = self._H5Dget_space(did)
+            if sid < 0:
+                return None
+            ndims = self._H5Sget_simple_extent_dims(sid, self._dims_at, None)
+            self._H5Sclose(sid)
+            if ndims < 0:
+                return None
+            shape = tuple(dims[:ndims])
+            if chunks is not None and self._H5Dget_num_chunks(did, 0, self._count_at) < 0:
+                return None
+            stored = self._H5Dget_storage_size(did)
+            return DatasetLayout(layout, filters, external, shape, chunks,
+                                 count.value if chunks is not None else 0, stored)
+
+    def _filter(self, dcpl: int, index: int) -> int:
+        """The id of filter ``index`` of the creation property list ``dcpl`` (under the
+        lock); no parameters are copied (their count is passed as 0)."""
+        self._nelmts.value = 0
+        return self._H5Pget_filter2(dcpl, index, self._flags_at, self._nelmts_at, None, 0,
+                                    None, self._filter_config_at)
+
+    def chunk_info(self, did: int, start: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """(filter mask, file address, stored size) of the chunk of ``did`` that starts at
+        element ``start`` (``H5Dget_chunk_info_by_coord``); None when it has no storage or on
+        failure."""
+        if len(start) > _MAX_RANK:
+            return None
+        with self._lock:  # the outputs are shared: read them before another call can
+            coords = self._coords
+            for i, value in enumerate(start):
+                coords[i] = value
+            if self._H5Dget_chunk_info_by_coord(did, self._coords_at, self._mask_at,
+                                                self._addr_at, self._size_at) < 0:
+                return None
+            found = self._mask.value, self._chunk_addr.value, self._chunk_size.value
+        return None if found[1] == _UNDEFINED_ADDRESS else found
 
     def _same(self, aid: int, attr: Any) -> bool:
         tid = self._H5Aget_type(aid)

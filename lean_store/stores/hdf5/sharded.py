@@ -44,6 +44,7 @@ from .. import sharded_layout
 from ..base import ChunkProblem, Selection, StoredTensor
 from ..sharded_layout import RankShardWriter, ShardedLayout
 from .attrs import attrs_match, encode_attr, read_attrs, to_hdf5_attr, write_attrs
+from .header_attrs import header_match, learn_header
 from .master_manifest import (
     MASTER_MANIFEST_ATTR,
     SHARD_FILE,
@@ -302,8 +303,13 @@ class ShardedHDF5Reader(HDF5Reader):
             problems = ["it is not a virtual dataset"]
         else:
             names = list(record.attrs)
-            if attrs_match(ds.id, [encode_attr(k, v) for k, v in record.attrs.items()]):
-                attrs = dict(record.attrs)  # exactly as written: no decoding
+            expected = [encode_attr(k, v) for k, v in record.attrs.items()]
+            messages = self._headers.attribute_messages(ds.id, len(expected))
+            if header_match(messages, expected):  # as written, from the header's bytes
+                attrs = dict(record.attrs)
+            elif attrs_match(ds.id, expected):  # exactly as written: no decoding
+                learn_header(messages, expected)
+                attrs = dict(record.attrs)
             else:
                 try:
                     attrs = read_attrs(ds.id, repr(node), names)

@@ -54,7 +54,8 @@ from .blosc import (
 from .checks import check_hdf5_present, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
-from .libhdf5 import chunk_lock
+from .header_attrs import HeaderAttributes, header_match, learn_header
+from .libhdf5 import chunk_lock, library
 from .manifest import (
     MANIFEST_ATTR,
     TensorRecord,
@@ -393,6 +394,7 @@ class HDF5Reader(StoreReader):
         # stored(): the read path asks libhdf5 for none of them again
         self._geometry: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
         self._format_types: dict[ScalarFormat, Any] = {}  # see type_mismatch
+        self._headers = HeaderAttributes(self._fd, self._file_size)  # see check_attributes
 
     @property
     def _manifest(self) -> dict[str, TensorRecord] | None:
@@ -514,20 +516,33 @@ class HDF5Reader(StoreReader):
         dataset's shape or chunking is not the record's (re-chunked by a tool): the dataset's
         own attributes are read and checked then, as in a file without a manifest."""
         dsid = self._dsid(node)
-        dcpl = dsid.get_create_plist()
-        layout = dcpl.get_layout()
-        filters = _checked_filters(node, dcpl, layout)
-        shape = dsid.shape
-        chunks = dcpl.get_chunk() if layout == h5d.CHUNKED else None
+        lib = library()
+        facts = None if lib is None else lib.dataset_layout(dsid.id)
+        if facts is not None and facts.external == 0 and facts.layout in (
+            h5d.CHUNKED, h5d.CONTIGUOUS, h5d.COMPACT
+        ) and all(f in ALLOWED_FILTERS and f != BLOSC_FILTER for f in facts.filters):
+            # what _checked_filters checks, Blosc's parameters apart (h5py's path below)
+            filters: list[str] = [_FILTER_NAMES.get(f, str(f)) for f in facts.filters]
+            shape, chunks = facts.shape, facts.chunks
+            counts: tuple[int, int] | None = (facts.num_chunks, facts.storage_size)
+        else:
+            dcpl = dsid.get_create_plist()
+            layout = dcpl.get_layout()
+            filters = _checked_filters(node, dcpl, layout)
+            shape = dsid.shape
+            chunks = dcpl.get_chunk() if layout == h5d.CHUNKED else None
+            counts = None
         if shape != record.stored_shape or chunks != record.chunks:
             return None
         ftype = dsid.get_type()
         itemsize = ftype.get_size()
-        stored = self._check_present(node, dsid, shape, chunks, ftype, filters)
+        stored = self._check_present(node, dsid, shape, chunks, ftype, filters, counts)
         self._types[node] = ftype
         self._tables[node] = record.table
         self._geometry[node] = (shape, chunks, itemsize)
         self._plain[node] = not filters  # chunked (checked above), no filter, nothing external
+        if filters == ["fletcher32"]:  # what _read_chunk asks h5py otherwise
+            self._direct_chunks[node] = (chunks, shape, None, itemsize)
         return StoredTensor(
             node=node, attrs=dict(record.attrs), stored_shape=shape, chunk_shape=chunks,
             storage="hdf5", itemsize=itemsize,
@@ -536,17 +551,18 @@ class HDF5Reader(StoreReader):
         )
 
     def _check_present(self, node: str, dsid: Any, shape: tuple[int, ...],
-                       chunks: tuple[int, ...], ftype: Any, filters: list[str]) -> int | None:
+                       chunks: tuple[int, ...], ftype: Any, filters: list[str],
+                       counts: tuple[int, int] | None = None) -> int | None:
         """:func:`lean_store.stores.hdf5.checks.check_hdf5_present` on low-level ids: every chunk
         allocated, inside the file, and (uncompressed) as large as its values need. The bytes
-        its chunks take in the file (None for a dataset without values: nothing checked)."""
+        its chunks take in the file (None for a dataset without values: nothing checked).
+        ``counts``: (chunks allocated, bytes they take), when already asked."""
         if math.prod(shape) == 0:
             return None
         check_chunk_shape(node, chunks, shape, ftype.get_size())
         expected = chunk_count(shape, chunks)
         try:
-            present = dsid.get_num_chunks()
-            stored = dsid.get_storage_size()
+            present, stored = counts or (dsid.get_num_chunks(), dsid.get_storage_size())
             if self._filesize is None:
                 self._filesize = self._file.id.get_filesize()
         except (OSError, RuntimeError, ValueError) as exc:
@@ -578,7 +594,13 @@ class HDF5Reader(StoreReader):
         if record is None:
             return
         dsid = self._dsid(node)
-        if attrs_match(dsid, _written_attrs(record)):  # exactly as written: no decoding
+        expected = _written_attrs(record)
+        messages = self._headers.attribute_messages(dsid, len(expected))
+        if header_match(messages, expected):  # the header holds the bytes libhdf5 confirmed
+            self._attrs_checked.add(node)
+            return
+        if attrs_match(dsid, expected):  # exactly as written: no decoding
+            learn_header(messages, expected)
             self._attrs_checked.add(node)
             return
         names = [*record.attrs, CHUNK_CRC_ATTR]  # read and compared, to name the difference
@@ -755,15 +777,21 @@ class HDF5Reader(StoreReader):
             out.shape, chunks
         ):
             return False
-        try:
-            with chunk_lock():
-                info = ds.get_chunk_info_by_coord(tuple(i * c for i, c in zip(coords, chunks)))
-        except (OSError, RuntimeError, ValueError, KeyError):
-            return False
-        offset, size = info.byte_offset, info.size
+        start = tuple(i * c for i, c in zip(coords, chunks))
+        lib = library()
+        found = None if lib is None else lib.chunk_info(ds.id, start)
+        if found is not None:
+            mask, offset, size = found
+        else:  # through h5py (which raises its error where libhdf5 fails)
+            try:
+                with chunk_lock():
+                    info = ds.get_chunk_info_by_coord(start)
+            except (OSError, RuntimeError, ValueError, KeyError):
+                return False
+            mask, offset, size = info.filter_mask, info.byte_offset, info.size
         full = math.prod(chunks) * (ds.get_type().get_size() if geometry is None
                                     else geometry[2])
-        if offset is None or info.filter_mask != 0 or size != full or out.nbytes > size:
+        if offset is None or mask != 0 or size != full or out.nbytes > size:
             return False
         if offset + size > self._file_size:
             raise IntegrityError(f"tensor {node!r}: chunk {coords} lies past the end of the file")
@@ -811,13 +839,15 @@ class HDF5Reader(StoreReader):
         )
         if not whole or any(step != 1 for step in selection.step):
             return False
-        try:
-            with chunk_lock():
-                mask, raw = ds.read_direct_chunk(start)
-        except (OSError, RuntimeError, ValueError, KeyError):
-            return False  # e.g. a chunk never written: H5Dread knows the fill value
-        if mask != 0:
-            return False
+        raw = self._pread_stored_chunk(node, ds, start, math.prod(chunks) * itemsize + 4)
+        if raw is None:
+            try:
+                with chunk_lock():
+                    mask, raw = ds.read_direct_chunk(start)
+            except (OSError, RuntimeError, ValueError, KeyError):
+                return False  # e.g. a chunk never written: H5Dread knows the fill value
+            if mask != 0:
+                return False
         try:
             data = _FLETCHER32.decode(raw)
         except RuntimeError as exc:
@@ -825,6 +855,28 @@ class HDF5Reader(StoreReader):
         flat = out.view(np.uint8).reshape(-1)
         flat[...] = np.frombuffer(data, np.uint8, count=flat.size)
         return True
+
+    def _pread_stored_chunk(self, node: str, ds: h5d.DatasetID, start: tuple[int, ...],
+                            size: int) -> bytes | None:
+        """The stored bytes of the chunk at ``start`` (what ``H5Dread_chunk`` returns) read
+        with one ``pread`` from its file offset, when every filter was applied and it takes
+        ``size`` bytes (offset and size checked against the file); None: ask HDF5."""
+        lib, fd = library(), self._fd
+        found = None if lib is None or fd is None else lib.chunk_info(ds.id, start)
+        if fd is None or found is None or found[0] != 0 or found[2] != size:
+            return None
+        offset = found[1]
+        if offset + size > self._file_size:
+            raise IntegrityError(f"tensor {node!r}: chunk at {start} lies past the end of the "
+                                 "file")
+        try:
+            raw = os.pread(fd, size, offset)
+        except OSError as exc:
+            raise IntegrityError(f"tensor {node!r}: chunk at {start} unreadable ({exc})"
+                                 ) from None
+        if len(raw) != size:
+            raise IntegrityError(f"tensor {node!r}: chunk at {start} is truncated")
+        return raw
 
     def close(self) -> None:
         self._fd = None  # HDF5's own descriptor: closed with the file

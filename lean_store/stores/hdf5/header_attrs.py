@@ -1,0 +1,119 @@
+"""A dataset's attributes compared with its manifest record from its object header's bytes.
+
+Through libhdf5 (:func:`.attrs.attrs_match`) a dataset's dozen attributes cost a dozen
+``H5Aopen`` + ``H5Aread`` round trips. :class:`HeaderAttributes` instead reads the dataset's
+object header with one ``pread`` per header chunk (:mod:`.header`) and compares each attribute
+message with the bytes that libhdf5 already confirmed, once, as encoding exactly that
+attribute (:func:`learn_header`, after :func:`.attrs.attrs_match` passed on some dataset).
+Anything else (a kind of attribute not yet confirmed, another encoding, a header
+:mod:`.header` does not read, a changed value) is no match, and the caller asks libhdf5.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from h5py import h5a, h5d, h5o
+
+from .attrs import EncodedAttr
+from .header import AttributeMessage, attribute_messages, plain_superblock
+from .libhdf5 import library
+
+
+class HeaderAttributes:
+    """Reads the attribute messages of a file's datasets from their object headers through
+    the file's descriptor ``fd`` (HDF5's own) of ``file_size`` bytes."""
+
+    def __init__(self, fd: int | None, file_size: int) -> None:
+        self._fd = fd
+        self._file_size = file_size
+        self._readable: bool | None = None  # decided at the first dataset
+
+    def attribute_messages(self, dsid: h5d.DatasetID, count: int
+                           ) -> dict[bytes, AttributeMessage] | None:
+        """The attribute messages in ``dsid``'s object header; None where headers cannot be
+        read (no descriptor or libhdf5 binding, a superblock whose addresses are not file
+        positions), the header is not one :mod:`.header` reads, or libhdf5 counts other than
+        ``count`` attributes."""
+        if self._readable is None:
+            self._readable = self._headers_readable(dsid)
+        lib = library()
+        fd = self._fd
+        if not self._readable or lib is None or fd is None:
+            return None
+        found = lib.object_header(dsid.id)
+        if found is None or found[1] != count:
+            return None
+        return attribute_messages(lambda n, at: os.pread(fd, n, at), found[0],
+                                  self._file_size)
+
+    def _headers_readable(self, dsid: h5d.DatasetID) -> bool:
+        """The superblock puts its base at 0 (addresses are file positions), and the libhdf5
+        binding reports the header address and attribute count h5py does for ``dsid``."""
+        lib = library()
+        if self._fd is None or lib is None:
+            return False
+        try:
+            if not plain_superblock(os.pread(self._fd, 48, 0)):
+                return False
+            return lib.object_header(dsid.id) == (h5o.get_info(dsid).addr,
+                                                  h5a.get_num_attrs(dsid))
+        except (OSError, RuntimeError, ValueError, TypeError, AttributeError):
+            return False
+
+
+_CONFIRMED: dict[tuple[bytes, int, tuple[int, ...]], tuple[Any, set[tuple[int, bytes]]]] = {}
+"""(attribute name, id of its file type, shape) -> (that file type, the (message flags,
+message prefix) pairs libhdf5 confirmed as encoding exactly that attribute): see
+:func:`header_match`. Prefixes hold no file address (shared messages are never read), so
+they hold in any file."""
+MAX_CONFIRMED = 4096  # kinds of attribute remembered (then forgotten all at once)
+MAX_PADDING = 8  # bytes a message may hold past its data (HDF5 may allocate a few more)
+
+
+def header_match(messages: dict[bytes, AttributeMessage] | None,
+                 expected: list[EncodedAttr]) -> bool:
+    """True when the attribute messages read from an object header (:mod:`.header`) are
+    exactly ``expected``: one message per attribute, no other, each with message flags, name,
+    datatype and dataspace encoded by bytes that libhdf5 already confirmed once as that
+    attribute's (:func:`learn_header`), followed by exactly the bytes written. False
+    otherwise: the caller asks libhdf5 (:func:`attrs_match`)."""
+    if messages is None or len(messages) != len(expected):
+        return False
+    for attr in expected:
+        message = messages.get(attr.name)
+        known = _CONFIRMED.get((attr.name, id(attr.ftype), attr.data.shape))
+        if message is None or known is None or known[0] is not attr.ftype or (
+            message[0], message[1]) not in known[1]:
+            return False
+        data = message[2]
+        if not data.startswith(attr.raw) or len(data) - len(attr.raw) >= MAX_PADDING:
+            return False
+    return True
+
+
+def learn_header(messages: dict[bytes, AttributeMessage] | None,
+                 expected: list[EncodedAttr]) -> None:
+    """Remember how the header of an object encodes each attribute of ``expected``, after
+    libhdf5 confirmed (:func:`attrs_match`) that the object holds exactly those attributes:
+    a message with that name whose data bytes are the ones written had its prefix decoded by
+    libhdf5 as exactly that name, file type and shape."""
+    if messages is None or len(messages) != len(expected):
+        return
+    if len(_CONFIRMED) >= MAX_CONFIRMED:
+        _CONFIRMED.clear()
+    for attr in expected:
+        message = messages.get(attr.name)
+        data = None if message is None else message[2]
+        if data is None or not data.startswith(attr.raw) or (
+            len(data) - len(attr.raw) >= MAX_PADDING
+        ):
+            continue
+        assert message is not None
+        key = (attr.name, id(attr.ftype), attr.data.shape)
+        known = _CONFIRMED.get(key)
+        if known is None or known[0] is not attr.ftype:
+            known = _CONFIRMED[key] = (attr.ftype, set())
+        if len(known[1]) < 8:
+            known[1].add((message[0], message[1]))

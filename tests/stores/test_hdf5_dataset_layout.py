@@ -1,0 +1,99 @@
+"""A dataset's storage asked of libhdf5 directly (stores/hdf5/libhdf5.py dataset_layout,
+chunk_info) says what h5py's calls say, and the reader describes every dataset the same way
+either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from h5py import h5d
+
+import lean_store as ls
+from lean_store.stores.hdf5 import store as hdf5_store
+from lean_store.stores.hdf5.libhdf5 import library
+from lean_store.stores.hdf5.store import HDF5Reader
+
+OPTIONS = [
+    {},
+    {"checksum": "fletcher32+crc32c"},
+    {"compression": "gzip"},
+    {"compression": "weights"},
+    {"compression": "lzf"},
+]
+
+
+def _state() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {"m": rng.standard_normal((40, 30), dtype=np.float32),
+            "v": np.arange(7, dtype=np.int16), "s": np.array(2.5, np.float64),
+            "e": np.zeros((0, 3), np.float32)}
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_the_layout_is_what_h5py_says(tmp_path: Path, options: dict) -> None:
+    lib = library()
+    assert lib is not None, "libhdf5 is not usable here, so its calls go untested"
+    path = tmp_path / "ck.h5"
+    ls.save(_state(), path, chunk_bytes=1024, **options)
+    with h5py.File(path, "r") as f:
+        for node in f:
+            ds = f[node]
+            dcpl = ds.id.get_create_plist()
+            got = lib.dataset_layout(ds.id.id)
+            assert got is not None
+            assert got.layout == dcpl.get_layout()
+            assert got.filters == tuple(dcpl.get_filter(i)[0]
+                                        for i in range(dcpl.get_nfilters()))
+            assert got.external == dcpl.get_external_count()
+            assert got.shape == ds.shape and got.chunks == ds.chunks
+            assert got.num_chunks == ds.id.get_num_chunks()
+            assert got.storage_size == ds.id.get_storage_size()
+            if ds.chunks and ds.size:
+                for k in range(ds.id.get_num_chunks()):
+                    info = ds.id.get_chunk_info(k)
+                    assert lib.chunk_info(ds.id.id, info.chunk_offset) == (
+                        info.filter_mask, info.byte_offset, info.size)
+        assert lib.chunk_info(f["m"].id.id, (10**6, 0)) is None  # no such chunk
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_the_reader_describes_datasets_the_same_either_way(
+    tmp_path: Path, monkeypatch, options: dict
+) -> None:
+    path = tmp_path / "ck.h5"
+    ls.save(_state(), path, chunk_bytes=1024, **options)
+    reader = HDF5Reader(path)
+    try:
+        fast = {node: reader.stored(node) for node in reader.nodes()}
+    finally:
+        reader.close()
+    monkeypatch.setattr(hdf5_store, "library", lambda: None)
+    reader = HDF5Reader(path)
+    try:
+        slow = {node: reader.stored(node) for node in reader.nodes()}
+    finally:
+        reader.close()
+    assert fast == slow
+    got = ls.load_state(path)
+    for name, value in _state().items():
+        assert got[name].tobytes() == value.tobytes()
+
+
+def test_a_contiguous_dataset_is_not_described_from_the_manifest(tmp_path: Path) -> None:
+    """A dataset repacked contiguous (h5repack -l CONTI) no longer fits its record: refused
+    as before, whichever way its layout was asked."""
+    path = tmp_path / "ck.h5"
+    ls.save({"v": np.arange(7, dtype=np.int16)}, path)
+    with h5py.File(path, "r+") as f:
+        attrs = dict(f["v"].attrs)
+        data = f["v"][...]
+        del f["v"]
+        f.create_dataset("v", data=data)
+        for key, value in attrs.items():
+            f["v"].attrs[key] = value
+        assert f["v"].id.get_create_plist().get_layout() == h5d.CONTIGUOUS
+    with pytest.raises(ls.CheckpointError):
+        ls.load_state(path)
