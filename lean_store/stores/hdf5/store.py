@@ -71,6 +71,10 @@ ATTR_PHASE_CHANGE = (32, 24)
 """(max compact, min dense) attributes of a dataset: HDF5's default (8, 6) moves the dozen
 attributes of every lean_store dataset to dense storage (a fractal heap and B-tree each); kept
 compact in the object header they cost less to write and read (docs/FORMAT.md 2.5)."""
+BEHIND_CHUNK_BYTES = 1 << 20
+"""Unfiltered datasets whose chunks are at least this large have their chunk space allocated
+when they are created, so the save's workers can write the chunks at their offsets (see
+``HDF5TensorWriter.write_later``); smaller ones are allocated as their chunks are written."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
 MAX_PLANS = 256  # distinct (format, shape) dataset plans a writer keeps (see HDF5Writer._plan)
 OPEN_DATASETS = 1024  # datasets a reader keeps open between calls (least recently used
@@ -133,9 +137,12 @@ class HDF5TensorWriter(TensorWriter):
         self, dset: h5d.DatasetID, entry: Entry, ftype: Any, chunks: tuple[int, ...],
         direct: bool = False, fletcher32: bool = True, deflate: Any = None,
         record: dict[str, Any] | None = None, attrs: dict[str, Any] | None = None,
-        stored: tuple[int, ...] | None = None,
+        stored: tuple[int, ...] | None = None, fd: int | None = None,
     ):
         self._dset = dset
+        # the file's descriptor when every chunk of this dataset was allocated at its creation
+        # and is unfiltered: chunks may then be written there by the save's workers
+        self._fd = fd
         self._record = record  # this dataset's manifest record, completed by close()
         self._attrs = attrs  # written with the final ones by close(): one batch per dataset
         self._deflate = deflate  # shuffle + deflate done by lean_store on a thread pool
@@ -187,6 +194,37 @@ class HDF5TensorWriter(TensorWriter):
             crc = crc()
         self._crcs[chunk_number(coords, self._grid)] = crc
 
+    def write_later(self, region: Region, bits: np.ndarray, submit: Any) -> Any:
+        """An unfiltered chunk of a dataset allocated at creation: written with ``pwritev``
+        at its file offset (HDF5's ``H5Dget_chunk_info``) by a worker, which also computes
+        its CRC-32C, while the caller goes on with the next datasets in HDF5 (the file's
+        bytes are those ``H5Dwrite_chunk`` writes). None: use :meth:`write`."""
+        if self._fd is None:
+            return None
+        start = tuple(s.start for s in region)
+        try:
+            info = self._dset.get_chunk_info_by_coord(start)
+        except (OSError, RuntimeError, ValueError, KeyError):
+            return None
+        if info.byte_offset is None or info.size != self._chunk_nbytes or info.filter_mask:
+            return None
+        data = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
+        if data.size > self._chunk_nbytes:
+            return None
+        coords = tuple(a // c for a, c in zip(start, self.chunk_shape))
+        return submit(self._write_at, chunk_number(coords, self._grid), info.byte_offset, data)
+
+    def _write_at(self, number: int, offset: int, data: np.ndarray) -> int:
+        """Chunk ``number`` (its bytes ``data``; an edge chunk padded with zeros as
+        :meth:`_write_chunk` pads it) written at ``offset``; its CRC-32C, recorded in the
+        table. The CRC is computed first: the bytes are then written from the cache."""
+        crc = crc32c_of(data)
+        pad = self._chunk_nbytes - data.size
+        assert self._fd is not None
+        pwrite_all(self._fd, [data, np.zeros(pad, np.uint8)] if pad else [data], offset)
+        self._crcs[number] = crc
+        return crc
+
     def close(self, attrs: dict[str, Any]) -> None:
         # chunks still compressing on the writer's queue are written later (by the next
         # tensors' writes, at the latest when the file is finished); their CRCs are known
@@ -228,12 +266,16 @@ class HDF5Writer(StoreWriter):
         except BaseException:
             self._release()
             raise
+        # HDF5's own descriptor, for chunks written by the save's workers (None: another
+        # driver; every chunk then goes through H5Dwrite_chunk)
+        self._fd = _write_descriptor(self._file)
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         from ...naming import node_name
 
         stored = entry.shape or (1,)
-        ftype, chunks, dcpl, space, direct, fletcher32 = self._plan(entry.format, stored)
+        ftype, chunks, dcpl, space, direct, fletcher32, behind = self._plan(entry.format,
+                                                                            stored)
         node = node_name(entry.name)
         dset = h5d.create(self._file.id, node.encode(), ftype, space, dcpl=dcpl)
         # direct: no filter but (maybe) fletcher32, so no shuffle + deflate or Blosc either
@@ -241,7 +283,7 @@ class HDF5Writer(StoreWriter):
         record = {"node": node, "attrs": dict(attrs), "stored_shape": stored, "chunks": chunks}
         self._records.append(record)
         return HDF5TensorWriter(dset, entry, ftype, chunks, direct, fletcher32, deflate, record,
-                                attrs, stored)
+                                attrs, stored, self._fd if behind else None)
 
     def _plan(self, fmt: ScalarFormat, stored: tuple[int, ...]) -> tuple[Any, ...]:
         """(file type, chunk shape, creation property list, dataspace, direct chunk writes,
@@ -268,10 +310,14 @@ class HDF5Writer(StoreWriter):
             dcpl.set_fletcher32()
         nfilters = dcpl.get_nfilters()
         fletcher32 = nfilters == 1 and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
+        behind = self._fd is not None and nfilters == 0 and \
+            math.prod(chunks) * ftype.get_size() >= BEHIND_CHUNK_BYTES
+        if behind:  # chunk space allocated by H5Dcreate: workers write the chunks there
+            dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
         plan = self._plans[key] = (ftype, chunks, dcpl, h5s.create_simple(stored),
-                                   nfilters == 0 or fletcher32, fletcher32)
+                                   nfilters == 0 or fletcher32, fletcher32, behind)
         return plan
 
     def _deflate_chunks(self, dcpl: h5p.PropDCID, dset: h5d.DatasetID, itemsize: int
@@ -858,6 +904,35 @@ def _h5_descriptor(file: h5py.File) -> tuple[int | None, int]:
     if not isinstance(fd, int) or not stat.S_ISREG(info.st_mode) or info.st_size != size:
         return None, 0
     return fd, info.st_size
+
+
+def _write_descriptor(file: h5py.File) -> int | None:
+    """HDF5's descriptor of a file it is writing, for chunk writes at file offsets; None for
+    other drivers or a user block (offsets are not file positions). Belongs to HDF5."""
+    if file.driver != "sec2" or file.userblock_size != 0:
+        return None
+    try:
+        fd = file.id.get_vfd_handle()
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except (OSError, RuntimeError, ValueError, TypeError):
+        return None
+    return fd if isinstance(fd, int) and regular else None
+
+
+def pwrite_all(fd: int, pieces: list[Any], offset: int) -> None:
+    """``pieces`` written one after another from ``offset`` with ``pwritev`` (resumed after
+    a short write; at most 1024 buffers a call, IOV_MAX on Linux)."""
+    views = [memoryview(p).cast("B") for p in pieces if p.nbytes]
+    while views:
+        done = os.pwritev(fd, views[:1024], offset)
+        if done <= 0:
+            raise OSError(f"pwritev wrote nothing at offset {offset}")
+        offset += done
+        while views and done >= views[0].nbytes:
+            done -= views[0].nbytes
+            views.pop(0)
+        if done:
+            views[0] = views[0][done:]
 
 
 def _h5read(node: str, ds: h5d.DatasetID, ftype: Any, selection: Selection, out: np.ndarray
