@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .chunking import iter_regions
-from .integrity import crc32c_combine, crc32c_of
+from .integrity import crc32c_combine, crc32c_of, crc_workers, forget_crc_workers
 from .layout import Entry, Layout, stored_rank_shape
 from .metadata import root_attrs, tensor_attrs
 from .naming import check_names
@@ -24,29 +23,14 @@ from .stream import staged
 OVERLAP_CRC_BYTES = 1 << 20
 """Write units at least this large have their CRC-32C computed in a thread while written."""
 
-_CRC_POOL: ThreadPoolExecutor | None = None
-_CRC_POOL_LOCK = threading.Lock()
-
-
 def _crc_pool() -> ThreadPoolExecutor:
-    """The CRC workers every save shares: started once per process, not once per save (a
-    thread start waits for the new thread to be scheduled: milliseconds on a busy machine,
-    against an incremental step of a few tens of milliseconds)."""
-    global _CRC_POOL
-    with _CRC_POOL_LOCK:
-        if _CRC_POOL is None:
-            _CRC_POOL = ThreadPoolExecutor(2, thread_name_prefix="lean_store-crc")
-        return _CRC_POOL
+    """The CRC workers every save shares (:func:`lean_store.integrity.crc_workers`)."""
+    return crc_workers()
 
 
 def _forget_crc_pool() -> None:
     """In a forked child the parent's worker threads do not exist: start afresh."""
-    global _CRC_POOL, _CRC_POOL_LOCK
-    _CRC_POOL, _CRC_POOL_LOCK = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_crc_pool)
+    forget_crc_workers()
 
 
 def write_source(

@@ -17,7 +17,7 @@ import os
 import stat
 import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import h5py
@@ -29,7 +29,7 @@ from ...chunking import Region, chunk_count, chunk_number, grid_shape, plan_chun
 from ...errors import CheckpointError, IntegrityError, UnsafeFileError
 from ...formats import ScalarFormat
 from ...hardening import check_chunk_shape
-from ...integrity import crc32c_of
+from ...integrity import crc32c_combine, crc32c_of, crc_workers
 from ...layout import Entry
 from ..base import (
     ChunkProblem,
@@ -71,6 +71,8 @@ ATTR_PHASE_CHANGE = (32, 24)
 """(max compact, min dense) attributes of a dataset: HDF5's default (8, 6) moves the dozen
 attributes of every lean_store dataset to dense storage (a fractal heap and B-tree each); kept
 compact in the object header they cost less to write and read (docs/FORMAT.md 2.5)."""
+SPLIT_READ_BYTES = 2 << 20
+"""A chunk read whole of at least this many bytes is read in two halves on two threads."""
 BEHIND_CHUNK_BYTES = 1 << 20
 """Unfiltered datasets whose chunks are at least this large have their chunk space allocated
 when they are created, so the save's workers can write the chunks at their offsets (see
@@ -721,11 +723,14 @@ class HDF5Reader(StoreReader):
             count = tuple(min(c, d - a) for a, c, d in zip(start, chunks, shape))
             whole = Selection(start, count, (1,) * len(shape))
             target = out if whole == selection else np.empty(count + pair, out.dtype)
-            if not self._pread_chunk(node, ds, coords, target) and not self._read_chunk(
-                node, ds, whole, target
-            ):
-                _h5read(node, ds, ftype, whole, target)
-            crc, expected = crc32c_of(target), int(table[chunk_number(coords, grid)])
+            crc = self._pread_halves(node, ds, coords, target)
+            if crc is None:
+                if not self._pread_chunk(node, ds, coords, target) and not self._read_chunk(
+                    node, ds, whole, target
+                ):
+                    _h5read(node, ds, ftype, whole, target)
+                crc = crc32c_of(target)
+            expected = int(table[chunk_number(coords, grid)])
             if crc != expected:
                 raise _crc_mismatch(node, coords, start, crc, expected)
             if target is out:
@@ -783,8 +788,58 @@ class HDF5Reader(StoreReader):
         """Chunk ``coords`` of an unfiltered dataset read straight into ``out`` (the chunk
         clipped to the dataset, a prefix of its bytes) from the chunk's file offset. Every
         offset and size is checked against the file; False: use HDF5's read instead."""
-        if self._fd is None:
+        offset = self._chunk_offset(node, ds, coords, out)
+        if offset is None:
             return False
+        self._pread_into(node, coords, out.view(np.uint8).reshape(-1), offset)
+        return True
+
+    def _pread_halves(self, node: str, ds: h5d.DatasetID, coords: tuple[int, ...],
+                      out: np.ndarray) -> int | None:
+        """:meth:`_pread_chunk` of a chunk of :data:`SPLIT_READ_BYTES` or more in two halves,
+        the second read (and its CRC-32C computed) by a worker while this thread reads the
+        first (reads of one file run side by side, as do the page faults of a new ``out``).
+        Returns the CRC-32C of ``out``'s bytes; None where the chunk is not read this way."""
+        if out.nbytes < SPLIT_READ_BYTES:
+            return None
+        offset = self._chunk_offset(node, ds, coords, out)
+        if offset is None:
+            return None
+        flat = out.view(np.uint8).reshape(-1)
+        half = flat.size // 2 // 4096 * 4096  # whole pages each
+        first, second = flat[:half], flat[half:]
+
+        def read_second() -> int:
+            self._pread_into(node, coords, second, offset + half)
+            return crc32c_of(second)
+
+        try:
+            pending = crc_workers().submit(read_second)
+        except RuntimeError:  # pools refuse work once interpreter shutdown has begun
+            return None
+        try:
+            self._pread_into(node, coords, first, offset)
+            crc = crc32c_of(first)
+        finally:  # the worker writes into ``out``: done before it is handed back
+            wait([pending])
+        return crc32c_combine(crc, pending.result(), second.size)
+
+    def _pread_into(self, node: str, coords: tuple[int, ...], flat: np.ndarray,
+                    offset: int) -> None:
+        try:
+            got = os.preadv(self._fd, [flat], offset)  # type: ignore[arg-type,list-item]  # numpy stubs: __buffer__ 3.12+
+        except OSError as exc:
+            raise IntegrityError(f"tensor {node!r}: chunk {coords} unreadable ({exc})") from None
+        if got != flat.nbytes:
+            raise IntegrityError(f"tensor {node!r}: chunk {coords} is truncated")
+
+    def _chunk_offset(self, node: str, ds: h5d.DatasetID, coords: tuple[int, ...],
+                      out: np.ndarray) -> int | None:
+        """The file offset of chunk ``coords`` of an unfiltered dataset, whose bytes start
+        with those of ``out`` (the chunk clipped to the dataset): offset and size checked
+        against the file. None: read with HDF5 instead."""
+        if self._fd is None:
+            return None
         plain = self._plain.get(node)
         if plain is None:
             dcpl = ds.get_create_plist()
@@ -797,25 +852,19 @@ class HDF5Reader(StoreReader):
         if not plain or chunks is None or not out.flags.c_contiguous or not _prefix_of_chunk(
             out.shape, chunks
         ):
-            return False
+            return None
         try:
             info = ds.get_chunk_info_by_coord(tuple(i * c for i, c in zip(coords, chunks)))
         except (OSError, RuntimeError, ValueError, KeyError):
-            return False
+            return None
         offset, size = info.byte_offset, info.size
         full = math.prod(chunks) * (ds.get_type().get_size() if geometry is None
                                     else geometry[2])
         if offset is None or info.filter_mask != 0 or size != full or out.nbytes > size:
-            return False
+            return None
         if offset + size > self._file_size:
             raise IntegrityError(f"tensor {node!r}: chunk {coords} lies past the end of the file")
-        try:
-            got = os.preadv(self._fd, [out.view(np.uint8).reshape(-1)], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
-        except OSError as exc:
-            raise IntegrityError(f"tensor {node!r}: chunk {coords} unreadable ({exc})") from None
-        if got != out.nbytes:
-            raise IntegrityError(f"tensor {node!r}: chunk {coords} is truncated")
-        return True
+        return int(offset)
 
     def _read_chunk(self, node: str, ds: h5d.DatasetID, selection: Selection, out: Any
                     ) -> bool:
