@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import lean_store as ls
+from lean_store.integrity import crc_workers
 from lean_store.stores.hdf5 import store as hdf5_store
 
 RNG = np.random.default_rng(9)
@@ -94,3 +95,28 @@ def test_truncated_file_is_refused(tmp_path: Path) -> None:
     path.write_bytes(raw[: info.byte_offset + (3 << 20)])
     with pytest.raises(ls.CheckpointError):
         ls.load_state(path)
+
+
+def test_busy_workers_are_not_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With both workers busy (a save's units, say), the caller reads the second half itself
+    rather than waiting for them."""
+    path = _save(tmp_path)
+    release = threading.Event()
+    started = threading.Barrier(3)
+
+    def busy() -> None:
+        started.wait()
+        release.wait(60)
+
+    blockers = [crc_workers().submit(busy) for _ in range(2)]
+    started.wait()
+    try:
+        reads = _Reads(monkeypatch)
+        loaded = ls.load_state(path)
+        assert set(reads.by_thread) == {"MainThread"}
+        for name, value in STATE.items():
+            assert loaded[name].tobytes() == value.tobytes(), name
+    finally:
+        release.set()
+        for blocker in blockers:
+            blocker.result()

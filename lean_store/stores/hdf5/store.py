@@ -820,9 +820,13 @@ class HDF5Reader(StoreReader):
         try:
             self._pread_into(node, coords, first, offset)
             crc = crc32c_of(first)
-        finally:  # the worker writes into ``out``: done before it is handed back
-            wait([pending])
-        return crc32c_combine(crc, pending.result(), second.size)
+        except BaseException:
+            if not pending.cancel():  # the worker writes into ``out``: done before it is
+                wait([pending])  # handed back
+            raise
+        # workers busy with other work (a save's units) have not started it: read it here
+        second_crc = read_second() if pending.cancel() else pending.result()
+        return crc32c_combine(crc, second_crc, second.size)
 
     def _pread_into(self, node: str, coords: tuple[int, ...], flat: np.ndarray,
                     offset: int) -> None:
