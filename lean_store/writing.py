@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from .chunking import iter_regions
-from .integrity import crc32c_combine, crc32c_of
+from .integrity import crc32c_combine, crc32c_of, crc_workers, forget_crc_workers
 from .layout import Entry, Layout, stored_rank_shape
 from .metadata import root_attrs, tensor_attrs
 from .naming import check_names
@@ -23,29 +23,14 @@ from .stream import staged
 OVERLAP_CRC_BYTES = 1 << 20
 """Write units at least this large have their CRC-32C computed in a thread while written."""
 
-_CRC_POOL: ThreadPoolExecutor | None = None
-_CRC_POOL_LOCK = threading.Lock()
-
-
 def _crc_pool() -> ThreadPoolExecutor:
-    """The CRC workers every save shares: started once per process, not once per save (a
-    thread start waits for the new thread to be scheduled: milliseconds on a busy machine,
-    against an incremental step of a few tens of milliseconds)."""
-    global _CRC_POOL
-    with _CRC_POOL_LOCK:
-        if _CRC_POOL is None:
-            _CRC_POOL = ThreadPoolExecutor(2, thread_name_prefix="lean_store-crc")
-        return _CRC_POOL
+    """The CRC workers every save shares (:func:`lean_store.integrity.crc_workers`)."""
+    return crc_workers()
 
 
 def _forget_crc_pool() -> None:
     """In a forked child the parent's worker threads do not exist: start afresh."""
-    global _CRC_POOL, _CRC_POOL_LOCK
-    _CRC_POOL, _CRC_POOL_LOCK = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_crc_pool)
+    forget_crc_workers()
 
 
 def write_source(
@@ -87,49 +72,157 @@ def write_source(
     def units() -> Iterator[tuple[Any, Any, Any]]:
         for entry, tensor in source.tensors():
             sink = writer.add_tensor(entry, tensor_attrs(entry, storage_of(entry.format)))
+            # a host tensor whose reads stay valid may have its units written behind
+            key = (sink, getattr(tensor, "stable_reads", False)
+                   and getattr(tensor, "stage_engine", None) is None)
             for region in iter_regions(stored_rank_shape(entry), sink.write_unit):
-                yield sink, tensor, region
-            yield sink, None, None  # end of this tensor
+                yield key, tensor, region
+            yield key, None, None  # end of this tensor
 
     crc_pool = _crc_pool()
     with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar:
-        crc = 0
+        order = _InOrder()
         counting = type(bar) is not NullProgress  # no call per unit without a bar
-        for sink, region, bits in staged(units(), buffer_bytes=buffer_bytes):
-            if bits is None:
-                sink.close({"crc32c": crc})
-                crc = 0
-                continue
-            # one pass: the unit's CRC, combined into the digest; large units have it computed
-            # on another core while the store writes them (crc32c releases the GIL)
-            if sink.defers_crc and bits.nbytes >= OVERLAP_CRC_BYTES:
-                lazy = _LazyCRC(crc_pool, bits)
-                try:
-                    known = sink.write(region, bits, lazy)
-                finally:  # the CRC reads ``bits``: done before its buffer can be reused
-                    unit_crc = lazy() if known is None else known
-                crc = crc32c_combine(crc, unit_crc, bits.nbytes)
-                bar.advance(bits.nbytes)
-                continue
-            pending = None
-            if bits.nbytes >= OVERLAP_CRC_BYTES:
-                try:
-                    pending = crc_pool.submit(crc32c_of, bits)
-                except RuntimeError:  # pools refuse work once interpreter shutdown has begun
-                    pass
-            if pending is not None:
-                try:
-                    sink.write(region, bits, pending.result)
-                finally:  # the CRC reads ``bits``: done before its buffer can be reused
-                    unit_crc = pending.result()
-            else:
-                unit_crc = crc32c_of(bits)
-                sink.write(region, bits, unit_crc)
-            crc = crc32c_combine(crc, unit_crc, bits.nbytes)
-            if counting:
-                bar.advance(bits.nbytes)
+        try:
+            for (sink, stable), region, bits in staged(units(), buffer_bytes=buffer_bytes):
+                if bits is None:
+                    order.end(sink)
+                    continue
+                if counting:
+                    bar.advance(bits.nbytes)
+                # units of host memory: the file written and its CRC-32C computed on a
+                # worker while the next units are prepared (and written, on the other worker)
+                if stable and bits.nbytes >= OVERLAP_CRC_BYTES and not sink.defers_crc:
+                    order.make_room(bits.nbytes)
+                    later = sink.write_later(region, bits, _submitter(crc_pool))
+                    if later is not None:
+                        order.unit(sink, later, bits.nbytes)
+                        continue
+                order.unit(sink, _write_unit(crc_pool, sink, region, bits), bits.nbytes)
+            order.settle()
+        except BaseException:
+            order.abandon()  # no worker still writing into the store being removed
+            raise
         writer.commit(root_attrs(layout, kind, extra_root))
     return layout
+
+
+WRITE_BEHIND_BYTES = 32 << 20
+"""Bytes of units written behind (on the workers, see :meth:`TensorWriter.write_later`) at
+once; two units at least, so that both workers write. A host tensor's units are views of its
+memory: this bounds only the copies of units that are not (non-contiguous sources)."""
+
+
+def _write_unit(crc_pool: ThreadPoolExecutor, sink: Any, region: Any, bits: Any) -> int:
+    """Write one unit in order; its CRC-32C (computed in one pass, combined into the
+    tensor's digest): units of 1 MiB or more have it computed on another core while the store
+    writes them (crc32c releases the GIL). Returns once ``bits`` is no longer read."""
+    if sink.defers_crc and bits.nbytes >= OVERLAP_CRC_BYTES:
+        lazy = _LazyCRC(crc_pool, bits)
+        try:
+            known = sink.write(region, bits, lazy)
+        finally:  # the CRC reads ``bits``: done before its buffer can be reused
+            unit_crc = lazy() if known is None else known
+        return unit_crc
+    pending = None
+    if bits.nbytes >= OVERLAP_CRC_BYTES:
+        try:
+            pending = crc_pool.submit(crc32c_of, bits)
+        except RuntimeError:  # pools refuse work once interpreter shutdown has begun
+            pass
+    if pending is not None:
+        try:
+            sink.write(region, bits, pending.result)
+        finally:  # the CRC reads ``bits``: done before its buffer can be reused
+            unit_crc = pending.result()
+        return unit_crc
+    unit_crc = crc32c_of(bits)
+    sink.write(region, bits, unit_crc)
+    return unit_crc
+
+
+def _submitter(pool: ThreadPoolExecutor) -> Callable[..., Future[Any]]:
+    """``pool.submit``, or (once interpreter shutdown has begun) running the call here."""
+
+    def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        try:
+            return pool.submit(fn, *args)
+        except RuntimeError:
+            done: Future[Any] = Future()
+            try:
+                done.set_result(fn(*args))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller as the result
+                done.set_exception(exc)
+            return done
+
+    return submit
+
+
+class _InOrder:
+    """The units of a save in order, some still being written behind: each unit's CRC-32C is
+    combined into its tensor's digest, and each tensor closed, in save order, once the units
+    before are done."""
+
+    def __init__(self) -> None:
+        # (sink, the unit's CRC-32C or its future, its bytes); (sink, None, 0): a tensor's end
+        self._queue: deque[tuple[Any, int | Future[int] | None, int]] = deque()
+        self._behind = 0  # bytes of the queued futures
+        self._futures = 0
+        self._crc = 0  # digest so far of the tensor at the head
+
+    def unit(self, sink: Any, crc: int | Future[int], nbytes: int) -> None:
+        if isinstance(crc, Future):
+            self._behind += nbytes
+            self._futures += 1
+        self._queue.append((sink, crc, nbytes))
+        self._advance(wait=False)
+
+    def end(self, sink: Any) -> None:
+        self._queue.append((sink, None, 0))
+        self._advance(wait=False)
+
+    def make_room(self, nbytes: int) -> None:
+        """Wait until a unit of ``nbytes`` fits in :data:`WRITE_BEHIND_BYTES`."""
+        while self._futures >= 2 and self._behind + nbytes > WRITE_BEHIND_BYTES:
+            self._advance(wait=True, one=True)
+
+    def settle(self) -> None:
+        """Every unit written, every tensor closed."""
+        while self._queue:
+            self._advance(wait=True)
+
+    def _advance(self, *, wait: bool, one: bool = False) -> None:
+        """Handle the units at the head that are done (waiting for them when ``wait``;
+        ``one``: stop after the first future)."""
+        while self._queue:
+            sink, crc, nbytes = self._queue[0]
+            if isinstance(crc, Future):
+                if not wait and not crc.done():
+                    return
+                value = crc.result()
+                self._behind -= nbytes
+                self._futures -= 1
+                self._queue.popleft()
+                self._crc = crc32c_combine(self._crc, value, nbytes)
+                if one:
+                    return
+                continue
+            self._queue.popleft()
+            if crc is None:
+                sink.close({"crc32c": self._crc})
+                self._crc = 0
+            else:
+                self._crc = crc32c_combine(self._crc, crc, nbytes)
+
+    def abandon(self) -> None:
+        """After an error: wait for the units still being written (their errors dropped)."""
+        for _, crc, _ in self._queue:
+            if isinstance(crc, Future):
+                try:
+                    crc.result()
+                except BaseException:  # noqa: BLE001, S110 - the first error is propagating
+                    pass
+        self._queue.clear()
 
 
 class _LazyCRC:

@@ -19,6 +19,9 @@ class SourceTensor(ABC):
 
     device: str = "cpu"
     stage_engine: Any = None  # a lean_store.stream.CopyEngine for device memory, None on host
+    stable_reads: bool = False
+    """True when an array ``read`` returns stays unchanged until the save ends (a view of the
+    tensor's own memory, or a fresh copy), so its unit may be written on a worker."""
 
     @abstractmethod
     def read(self, region: Region) -> np.ndarray: ...

@@ -52,6 +52,8 @@ def stored_view(bits: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 class ArraySourceTensor(SourceTensor):
+    stable_reads = True  # views of the tensor's memory, or fresh copies
+
     def __init__(self, value: np.ndarray | Encoded, fmt: ScalarFormat) -> None:
         self._fmt = fmt
         if isinstance(value, Encoded):

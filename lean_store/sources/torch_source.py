@@ -121,6 +121,8 @@ class TorchCopyEngine(CopyEngine):
 
 
 class TorchSourceTensor(SourceTensor):
+    stable_reads = True  # views of the tensor's memory, or fresh copies
+
     def __init__(
         self, tensor: torch.Tensor, fmt: ScalarFormat, engine: TorchCopyEngine | None = None
     ) -> None:

@@ -88,6 +88,13 @@ class TensorWriter(ABC):
         callable giving it. Returns the CRC-32C of ``bits`` when it was learnt otherwise (see
         :attr:`defers_crc`), else None."""
 
+    def write_later(self, region: Region, bits: np.ndarray, submit: Any) -> Any:
+        """Start writing ``region`` on a worker, for a ``bits`` that stays unchanged until
+        the save ends (a host tensor's own memory): ``submit(fn, *args)`` runs ``fn`` on a
+        thread pool and returns its future, whose result is the CRC-32C of ``bits``. None
+        (the default) where this writer writes its units in order only: use :meth:`write`."""
+        return None
+
     @abstractmethod
     def close(self, attrs: dict[str, Any]) -> None:
         """Record final attributes (such as the digest) and release the dataset."""

@@ -20,6 +20,19 @@ def test_saves_share_the_crc_workers(tmp_path, monkeypatch):
         return real(bits, *args)
 
     monkeypatch.setattr(writing, "crc32c_of", recorded)
+    real_submitter = writing._submitter
+
+    def submitter(pool):  # units written behind: the file and its CRC on a worker
+        submit = real_submitter(pool)
+
+        def on_worker(fn, *args):
+            def run():
+                seen.append(threading.current_thread())
+                return fn(*args)
+            return submit(run)
+        return on_worker
+
+    monkeypatch.setattr(writing, "_submitter", submitter)
     big = np.arange(1 << 19, dtype=np.float32)  # 2 MiB units: CRC on a worker
     for i, suffix in enumerate([".h5", ".zarr", ".h5", ".zarr"]):
         ls.save({"w": big}, tmp_path / f"m{i}{suffix}", chunk_bytes=2 << 20)

@@ -101,6 +101,7 @@ def test_failed_save_nobody_waited_for_is_reported_at_exit(tmp_path, suffix):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         HDF5TensorWriter.write = ZarrTensorWriter.write = full
+        HDF5TensorWriter.write_later = ZarrTensorWriter.write_later = full  # written behind
         ls.save(expected_state(), "lost{suffix}", blocking=False)
         """, tmp_path)
     target = tmp_path / f"lost{suffix}"
@@ -119,7 +120,7 @@ def test_failure_that_was_waited_for_is_not_reported_again(tmp_path):
         def full(self, *args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        HDF5TensorWriter.write = full
+        HDF5TensorWriter.write = HDF5TensorWriter.write_later = full
         handle = ls.save(expected_state(), "lost.h5", blocking=False)
         try:
             handle.wait()

@@ -17,7 +17,7 @@ import os
 import stat
 import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import h5py
@@ -29,7 +29,7 @@ from ...chunking import Region, chunk_count, chunk_number, grid_shape, plan_chun
 from ...errors import CheckpointError, IntegrityError, UnsafeFileError
 from ...formats import ScalarFormat
 from ...hardening import check_chunk_shape
-from ...integrity import crc32c_of
+from ...integrity import crc32c_combine, crc32c_of, crc_workers
 from ...layout import Entry
 from ..base import (
     ChunkProblem,
@@ -73,6 +73,12 @@ ATTR_PHASE_CHANGE = (32, 24)
 """(max compact, min dense) attributes of a dataset: HDF5's default (8, 6) moves the dozen
 attributes of every lean_store dataset to dense storage (a fractal heap and B-tree each); kept
 compact in the object header they cost less to write and read (docs/FORMAT.md 2.5)."""
+SPLIT_READ_BYTES = 2 << 20
+"""A chunk read whole of at least this many bytes is read in two halves on two threads."""
+BEHIND_CHUNK_BYTES = 1 << 20
+"""Unfiltered datasets whose chunks are at least this large have their chunk space allocated
+when they are created, so the save's workers can write the chunks at their offsets (see
+``HDF5TensorWriter.write_later``); smaller ones are allocated as their chunks are written."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
 MAX_PLANS = 256  # distinct (format, shape) dataset plans a writer keeps (see HDF5Writer._plan)
 OPEN_DATASETS = 1024  # datasets a reader keeps open between calls (least recently used
@@ -135,9 +141,12 @@ class HDF5TensorWriter(TensorWriter):
         self, dset: h5d.DatasetID, entry: Entry, ftype: Any, chunks: tuple[int, ...],
         direct: bool = False, fletcher32: bool = True, deflate: Any = None,
         record: dict[str, Any] | None = None, attrs: dict[str, Any] | None = None,
-        stored: tuple[int, ...] | None = None,
+        stored: tuple[int, ...] | None = None, fd: int | None = None,
     ):
         self._dset = dset
+        # the file's descriptor when every chunk of this dataset was allocated at its creation
+        # and is unfiltered: chunks may then be written there by the save's workers
+        self._fd = fd
         self._record = record  # this dataset's manifest record, completed by close()
         self._attrs = attrs  # written with the final ones by close(): one batch per dataset
         self._deflate = deflate  # shuffle + deflate done by lean_store on a thread pool
@@ -190,6 +199,38 @@ class HDF5TensorWriter(TensorWriter):
             crc = crc()
         self._crcs[chunk_number(coords, self._grid)] = crc
 
+    def write_later(self, region: Region, bits: np.ndarray, submit: Any) -> Any:
+        """An unfiltered chunk of a dataset allocated at creation: written with ``pwritev``
+        at its file offset (HDF5's ``H5Dget_chunk_info``) by a worker, which also computes
+        its CRC-32C, while the caller goes on with the next datasets in HDF5 (the file's
+        bytes are those ``H5Dwrite_chunk`` writes). None: use :meth:`write`."""
+        if self._fd is None:
+            return None
+        start = tuple(s.start for s in region)
+        try:
+            with chunk_lock():
+                info = self._dset.get_chunk_info_by_coord(start)
+        except (OSError, RuntimeError, ValueError, KeyError):
+            return None
+        if info.byte_offset is None or info.size != self._chunk_nbytes or info.filter_mask:
+            return None
+        data = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
+        if data.size > self._chunk_nbytes:
+            return None
+        coords = tuple(a // c for a, c in zip(start, self.chunk_shape))
+        return submit(self._write_at, chunk_number(coords, self._grid), info.byte_offset, data)
+
+    def _write_at(self, number: int, offset: int, data: np.ndarray) -> int:
+        """Chunk ``number`` (its bytes ``data``; an edge chunk padded with zeros as
+        :meth:`_write_chunk` pads it) written at ``offset``; its CRC-32C, recorded in the
+        table. The CRC is computed first: the bytes are then written from the cache."""
+        crc = crc32c_of(data)
+        pad = self._chunk_nbytes - data.size
+        assert self._fd is not None
+        pwrite_all(self._fd, [data, np.zeros(pad, np.uint8)] if pad else [data], offset)
+        self._crcs[number] = crc
+        return crc
+
     def close(self, attrs: dict[str, Any]) -> None:
         # chunks still compressing on the writer's queue are written later (by the next
         # tensors' writes, at the latest when the file is finished); their CRCs are known
@@ -231,12 +272,16 @@ class HDF5Writer(StoreWriter):
         except BaseException:
             self._release()
             raise
+        # HDF5's own descriptor, for chunks written by the save's workers (None: another
+        # driver; every chunk then goes through H5Dwrite_chunk)
+        self._fd = _write_descriptor(self._file)
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         from ...naming import node_name
 
         stored = entry.shape or (1,)
-        ftype, chunks, dcpl, space, direct, fletcher32 = self._plan(entry.format, stored)
+        ftype, chunks, dcpl, space, direct, fletcher32, behind = self._plan(entry.format,
+                                                                            stored)
         node = node_name(entry.name)
         dset = h5d.create(self._file.id, node.encode(), ftype, space, dcpl=dcpl)
         # direct: no filter but (maybe) fletcher32, so no shuffle + deflate or Blosc either
@@ -244,7 +289,7 @@ class HDF5Writer(StoreWriter):
         record = {"node": node, "attrs": dict(attrs), "stored_shape": stored, "chunks": chunks}
         self._records.append(record)
         return HDF5TensorWriter(dset, entry, ftype, chunks, direct, fletcher32, deflate, record,
-                                attrs, stored)
+                                attrs, stored, self._fd if behind else None)
 
     def _plan(self, fmt: ScalarFormat, stored: tuple[int, ...]) -> tuple[Any, ...]:
         """(file type, chunk shape, creation property list, dataspace, direct chunk writes,
@@ -271,10 +316,14 @@ class HDF5Writer(StoreWriter):
             dcpl.set_fletcher32()
         nfilters = dcpl.get_nfilters()
         fletcher32 = nfilters == 1 and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
+        behind = self._fd is not None and nfilters == 0 and \
+            math.prod(chunks) * ftype.get_size() >= BEHIND_CHUNK_BYTES
+        if behind:  # chunk space allocated by H5Dcreate: workers write the chunks there
+            dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
         plan = self._plans[key] = (ftype, chunks, dcpl, h5s.create_simple(stored),
-                                   nfilters == 0 or fletcher32, fletcher32)
+                                   nfilters == 0 or fletcher32, fletcher32, behind)
         return plan
 
     def _deflate_chunks(self, dcpl: h5p.PropDCID, dset: h5d.DatasetID, itemsize: int
@@ -700,11 +749,14 @@ class HDF5Reader(StoreReader):
             count = tuple(min(c, d - a) for a, c, d in zip(start, chunks, shape))
             whole = Selection(start, count, (1,) * len(shape))
             target = out if whole == selection else np.empty(count + pair, out.dtype)
-            if not self._pread_chunk(node, ds, coords, target) and not self._read_chunk(
-                node, ds, whole, target
-            ):
-                _h5read(node, ds, ftype, whole, target)
-            crc, expected = crc32c_of(target), int(table[chunk_number(coords, grid)])
+            crc = self._pread_halves(node, ds, coords, target)
+            if crc is None:
+                if not self._pread_chunk(node, ds, coords, target) and not self._read_chunk(
+                    node, ds, whole, target
+                ):
+                    _h5read(node, ds, ftype, whole, target)
+                crc = crc32c_of(target)
+            expected = int(table[chunk_number(coords, grid)])
             if crc != expected:
                 raise _crc_mismatch(node, coords, start, crc, expected)
             if target is out:
@@ -762,8 +814,62 @@ class HDF5Reader(StoreReader):
         """Chunk ``coords`` of an unfiltered dataset read straight into ``out`` (the chunk
         clipped to the dataset, a prefix of its bytes) from the chunk's file offset. Every
         offset and size is checked against the file; False: use HDF5's read instead."""
-        if self._fd is None:
+        offset = self._chunk_offset(node, ds, coords, out)
+        if offset is None:
             return False
+        self._pread_into(node, coords, out.view(np.uint8).reshape(-1), offset)
+        return True
+
+    def _pread_halves(self, node: str, ds: h5d.DatasetID, coords: tuple[int, ...],
+                      out: np.ndarray) -> int | None:
+        """:meth:`_pread_chunk` of a chunk of :data:`SPLIT_READ_BYTES` or more in two halves,
+        the second read (and its CRC-32C computed) by a worker while this thread reads the
+        first (reads of one file run side by side, as do the page faults of a new ``out``).
+        Returns the CRC-32C of ``out``'s bytes; None where the chunk is not read this way."""
+        if out.nbytes < SPLIT_READ_BYTES:
+            return None
+        offset = self._chunk_offset(node, ds, coords, out)
+        if offset is None:
+            return None
+        flat = out.view(np.uint8).reshape(-1)
+        half = flat.size // 2 // 4096 * 4096  # whole pages each
+        first, second = flat[:half], flat[half:]
+
+        def read_second() -> int:
+            self._pread_into(node, coords, second, offset + half)
+            return crc32c_of(second)
+
+        try:
+            pending = crc_workers().submit(read_second)
+        except RuntimeError:  # pools refuse work once interpreter shutdown has begun
+            return None
+        try:
+            self._pread_into(node, coords, first, offset)
+            crc = crc32c_of(first)
+        except BaseException:
+            if not pending.cancel():  # the worker writes into ``out``: done before it is
+                wait([pending])  # handed back
+            raise
+        # workers busy with other work (a save's units) have not started it: read it here
+        second_crc = read_second() if pending.cancel() else pending.result()
+        return crc32c_combine(crc, second_crc, second.size)
+
+    def _pread_into(self, node: str, coords: tuple[int, ...], flat: np.ndarray,
+                    offset: int) -> None:
+        try:
+            got = os.preadv(self._fd, [flat], offset)  # type: ignore[arg-type,list-item]  # numpy stubs: __buffer__ 3.12+
+        except OSError as exc:
+            raise IntegrityError(f"tensor {node!r}: chunk {coords} unreadable ({exc})") from None
+        if got != flat.nbytes:
+            raise IntegrityError(f"tensor {node!r}: chunk {coords} is truncated")
+
+    def _chunk_offset(self, node: str, ds: h5d.DatasetID, coords: tuple[int, ...],
+                      out: np.ndarray) -> int | None:
+        """The file offset of chunk ``coords`` of an unfiltered dataset, whose bytes start
+        with those of ``out`` (the chunk clipped to the dataset): offset and size checked
+        against the file. None: read with HDF5 instead."""
+        if self._fd is None:
+            return None
         plain = self._plain.get(node)
         if plain is None:
             dcpl = ds.get_create_plist()
@@ -776,7 +882,7 @@ class HDF5Reader(StoreReader):
         if not plain or chunks is None or not out.flags.c_contiguous or not _prefix_of_chunk(
             out.shape, chunks
         ):
-            return False
+            return None
         start = tuple(i * c for i, c in zip(coords, chunks))
         lib = library()
         found = None if lib is None else lib.chunk_info(ds.id, start)
@@ -787,21 +893,15 @@ class HDF5Reader(StoreReader):
                 with chunk_lock():
                     info = ds.get_chunk_info_by_coord(start)
             except (OSError, RuntimeError, ValueError, KeyError):
-                return False
+                return None
             mask, offset, size = info.filter_mask, info.byte_offset, info.size
         full = math.prod(chunks) * (ds.get_type().get_size() if geometry is None
                                     else geometry[2])
         if offset is None or mask != 0 or size != full or out.nbytes > size:
-            return False
+            return None
         if offset + size > self._file_size:
             raise IntegrityError(f"tensor {node!r}: chunk {coords} lies past the end of the file")
-        try:
-            got = os.preadv(self._fd, [out.view(np.uint8).reshape(-1)], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
-        except OSError as exc:
-            raise IntegrityError(f"tensor {node!r}: chunk {coords} unreadable ({exc})") from None
-        if got != out.nbytes:
-            raise IntegrityError(f"tensor {node!r}: chunk {coords} is truncated")
-        return True
+        return int(offset)
 
     def _read_chunk(self, node: str, ds: h5d.DatasetID, selection: Selection, out: Any
                     ) -> bool:
@@ -915,6 +1015,35 @@ def _h5_descriptor(file: h5py.File) -> tuple[int | None, int]:
     if not isinstance(fd, int) or not stat.S_ISREG(info.st_mode) or info.st_size != size:
         return None, 0
     return fd, info.st_size
+
+
+def _write_descriptor(file: h5py.File) -> int | None:
+    """HDF5's descriptor of a file it is writing, for chunk writes at file offsets; None for
+    other drivers or a user block (offsets are not file positions). Belongs to HDF5."""
+    if file.driver != "sec2" or file.userblock_size != 0:
+        return None
+    try:
+        fd = file.id.get_vfd_handle()
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except (OSError, RuntimeError, ValueError, TypeError):
+        return None
+    return fd if isinstance(fd, int) and regular else None
+
+
+def pwrite_all(fd: int, pieces: list[Any], offset: int) -> None:
+    """``pieces`` written one after another from ``offset`` with ``pwritev`` (resumed after
+    a short write; at most 1024 buffers a call, IOV_MAX on Linux)."""
+    views = [memoryview(p).cast("B") for p in pieces if p.nbytes]
+    while views:
+        done = os.pwritev(fd, views[:1024], offset)
+        if done <= 0:
+            raise OSError(f"pwritev wrote nothing at offset {offset}")
+        offset += done
+        while views and done >= views[0].nbytes:
+            done -= views[0].nbytes
+            views.pop(0)
+        if done:
+            views[0] = views[0][done:]
 
 
 def _h5read(node: str, ds: h5d.DatasetID, ftype: Any, selection: Selection, out: np.ndarray

@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ import numpy as np
 from numcodecs import blosc
 
 from ...chunking import Region
+from ...integrity import crc32c_combine
 from ..ordered_pool import OrderedPool
 from . import shard_index
 from .compat import BLOSC_SHUFFLES, chunk_key, codec_documents, plain_codecs, sharding_document
@@ -49,6 +52,11 @@ INLINE_BYTES = 64 << 10  # chunks smaller than this are compressed on the caller
 
 def _crc_bytes(data: Any) -> bytes:
     return int(google_crc32c.value(data)).to_bytes(4, "little")
+
+
+def _word(crc: int) -> bytes:
+    """A stored CRC-32C word: little endian uint32."""
+    return int(crc).to_bytes(4, "little")
 
 
 
@@ -175,15 +183,7 @@ class DirectWriter:
         pass over its bytes. Returns the chunk's CRC-32C when its file was linked to an equal
         one of the previous step without calling ``crc`` (see :attr:`defers_crc`)."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        unit = self._shards or self._chunks
-        coords = tuple(s.start // u for s, u in zip(region, unit))
-        # a plain document states the default chunk key encoding with "/" (by construction)
-        key = "c/" + "/".join(map(str, coords)) if self._plain and coords \
-            else chunk_key(self._array, coords)
-        path = f"{self._root}/{key}"
-        folder = path.rpartition("/")[0]
-        if folder not in self._made:
-            self._make_folders(folder)
+        key, path = self._unit_path(region)
         pieces: list[Any] = []
         if self._shards is None:
             if self._blosc is not None and self._queue is not None and (
@@ -215,6 +215,65 @@ class DirectWriter:
             pieces += shard_index.encode(index)
         self._put(path, key, pieces)
         return None
+
+    def write_later(self, region: Region, data: np.ndarray,
+                    submit: Callable[..., Future[int]]) -> Future[int] | None:
+        """Start the file of the uncompressed shard (or chunk) ``region`` on a worker:
+        ``submit(fn, *args)`` runs ``fn(*args)`` there (a thread pool's ``submit``). The
+        future gives the CRC-32C of ``data``, which must stay unchanged until it is done. The
+        file's bytes are those :meth:`write` writes; its folders are made here, on the
+        caller's thread. None where units go through :meth:`write` only (compressed chunks,
+        incremental steps)."""
+        if self._blosc is not None or self._linker is not None:
+            return None
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        return submit(self._write_plain, self._unit_path(region)[1], flat)
+
+    def _write_plain(self, path: str, flat: np.ndarray) -> int:
+        """The file of an uncompressed unit ``flat``: each chunk's CRC-32C computed just
+        before the chunk is written (its bytes then come from the cache), one ``writev`` per
+        chunk, the shard index last. Returns the CRC-32C of ``flat``."""
+        size = self._chunk_nbytes
+        if self._shards is None:
+            parts = [flat]
+            index = None
+        else:
+            per_shard = math.prod(s // c for s, c in zip(self._shards, self._chunks))
+            parts = [p for p in (flat[j * size: (j + 1) * size] for j in range(per_shard))
+                     if p.size]  # row blocks: the chunks inside the array
+            index = shard_index.empty(per_shard)
+        unit_crc = 0
+        fd = os.open(path, _O_CREATE, 0o666)
+        try:
+            for j, part in enumerate(parts):
+                crc = int(google_crc32c.value(part))
+                unit_crc = crc32c_combine(unit_crc, crc, part.size)
+                pad = size - part.size  # an edge chunk: zarr pads it with the fill value 0
+                if pad:
+                    zeros = np.zeros(pad, np.uint8)
+                    write_all(fd, [part, zeros, _word(google_crc32c.extend(crc, zeros))])
+                else:
+                    write_all(fd, [part, _word(crc)])
+                if index is not None:
+                    index[j] = (j * (size + 4), size + 4)
+            if index is not None:
+                write_all(fd, shard_index.encode(index))
+        finally:
+            os.close(fd)
+        return unit_crc
+
+    def _unit_path(self, region: Region) -> tuple[str, str]:
+        """(key, path) of the unit file of ``region``, its folders made."""
+        unit = self._shards or self._chunks
+        coords = tuple(s.start // u for s, u in zip(region, unit))
+        # a plain document states the default chunk key encoding with "/" (by construction)
+        key = "c/" + "/".join(map(str, coords)) if self._plain and coords \
+            else chunk_key(self._array, coords)
+        path = f"{self._root}/{key}"
+        folder = path.rpartition("/")[0]
+        if folder not in self._made:
+            self._make_folders(folder)
+        return key, path
 
     def _make_folders(self, folder: str) -> None:
         """``folder`` (below the array's own) and its parents, top down: one ``mkdir`` each

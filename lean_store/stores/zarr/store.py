@@ -245,6 +245,17 @@ class ZarrTensorWriter(TensorWriter):
                     tuple(s.start // u for s, u in zip(region, self._unit))))
             return None
 
+    def write_later(self, region: Region, bits: np.ndarray, submit: Any) -> Any:
+        """Uncompressed direct units: written on a worker (:meth:`TensorWriter.write_later`)."""
+        if self._direct is None:
+            return None
+        data = np.ascontiguousarray(bits)
+        if self._native is not None:
+            data = data.view(self._native).reshape(tuple(s.stop - s.start for s in region))
+        elif self._pairs:
+            region = region + (slice(0, 2),)
+        return self._direct.write_later(region, data, submit)
+
     def close(self, attrs: dict[str, Any]) -> None:
         if isinstance(self._array, dict):  # written once, with its final attributes
             doc = {**self._array, "attributes": {**self._array["attributes"], **_plain(attrs)}}
