@@ -92,3 +92,28 @@ def without_save_id(files: dict[str, bytes]) -> dict[str, bytes]:
     root = json.loads(files["zarr.json"])
     root["attributes"]["save_id"] = ""
     return {**files, "zarr.json": json.dumps(root, sort_keys=True).encode()}
+
+
+def zarr_layout_state(seed: int, *, several_shards: bool = False) -> dict[str, Any]:
+    """A state covering the Zarr layouts at ``chunk_bytes=1024`` (8 rows of 32 float32 a
+    chunk; tensors of 8+ chunks are sharded): an aligned shard, partial shards and chunks,
+    unsharded chunks, 1-byte, raw, complex, empty and scalar words."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    state: dict[str, Any] = {
+        "aligned": rng.standard_normal((64, 32), dtype=np.float32),  # 8 chunks: 1 shard
+        "edge": rng.standard_normal((77, 32), dtype=np.float32),  # partial shard and chunk
+    }
+    if several_shards:
+        state["long"] = rng.standard_normal((200, 32), dtype=np.float32)
+    state.update({
+        "small": rng.standard_normal((5, 3), dtype=np.float32),  # one unsharded chunk
+        "unsharded_edge": np.arange(50, dtype=np.int16),  # unsharded, edge chunk
+        "mask": rng.random((41, 16)) > 0.5,  # bool, 1-byte words
+        "bf16": rng.standard_normal((33, 8)).astype(ml_dtypes.bfloat16),  # raw words
+        "c64": (rng.standard_normal((20, 4)) + 1j).astype(np.complex64),
+        "empty": np.zeros((0, 4), np.float32),
+        "scalar": np.float64(3.5),
+    })
+    return state

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 import zarr
-from helpers import without_save_id
+from helpers import without_save_id, zarr_layout_state
 from zarr.codecs import Crc32cCodec
 from zarr.core.array_spec import ArrayConfig, ArraySpec
 from zarr.core.buffer import default_buffer_prototype
@@ -23,17 +22,7 @@ from lean_store.stores.zarr.crc import LeanCrc32cCodec
 from lean_store.stores.zarr.direct_write import direct_ok
 
 RNG = np.random.default_rng(7)
-STATE = {
-    "aligned": RNG.standard_normal((64, 32), dtype=np.float32),  # 8 chunks of 8 rows: 1 shard
-    "edge": RNG.standard_normal((77, 32), dtype=np.float32),  # partial shard and chunk
-    "small": RNG.standard_normal((5, 3), dtype=np.float32),  # one unsharded chunk
-    "unsharded_edge": np.arange(50, dtype=np.int16),  # unsharded, edge chunk
-    "mask": RNG.random((41, 16)) > 0.5,  # bool, 1-byte words
-    "bf16": RNG.standard_normal((33, 8)).astype(ml_dtypes.bfloat16),  # raw words
-    "c64": (RNG.standard_normal((20, 4)) + 1j).astype(np.complex64),
-    "empty": np.zeros((0, 4), np.float32),
-    "scalar": np.float64(3.5),
-}
+STATE = zarr_layout_state(7)
 
 
 def _files(root: Path) -> dict[str, bytes]:

@@ -9,11 +9,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 import zarr
-from helpers import without_save_id
+from helpers import without_save_id, zarr_layout_state
 
 import lean_store as ls
 from lean_store import writing
@@ -26,18 +25,7 @@ from lean_store.stores.zarr.direct_write import DirectWriter
 from lean_store.stream import CopyEngine
 
 RNG = np.random.default_rng(11)
-STATE = {
-    "aligned": RNG.standard_normal((64, 32), dtype=np.float32),  # 8 chunks of 8 rows: 1 shard
-    "edge": RNG.standard_normal((77, 32), dtype=np.float32),  # partial shard and chunk
-    "long": RNG.standard_normal((200, 32), dtype=np.float32),  # several shards
-    "small": RNG.standard_normal((5, 3), dtype=np.float32),  # one unsharded chunk
-    "unsharded_edge": np.arange(50, dtype=np.int16),  # unsharded, edge chunk
-    "mask": RNG.random((41, 16)) > 0.5,  # bool, 1-byte words
-    "bf16": RNG.standard_normal((33, 8)).astype(ml_dtypes.bfloat16),  # raw words
-    "c64": (RNG.standard_normal((20, 4)) + 1j).astype(np.complex64),
-    "empty": np.zeros((0, 4), np.float32),
-    "scalar": np.float64(3.5),
-}
+STATE = zarr_layout_state(11, several_shards=True)
 CHUNK_BYTES = 1024  # 8 rows of 32 float32: tensors of 8+ chunks are sharded
 
 
