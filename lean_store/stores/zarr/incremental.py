@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ...errors import CheckpointError
+from .checks import read_json_at
 
 _CRC_BYTES = 4
 
@@ -53,22 +57,113 @@ class IncrementalStats:
 
 
 @dataclass(frozen=True)
-class _Base:
+class Described:
+    """What one committed Zarr save holds: each array's metadata without its attributes, by
+    node, as the save wrote it. The next incremental save takes its base's arrays from it
+    instead of reading the base's documents again."""
+
     path: Path
-    stats: IncrementalStats
+    identity: tuple[int, int]  # (st_dev, st_ino) of the committed directory
+    arrays: dict[str, dict[str, Any]]
+
+    def describes(self, path: Path) -> bool:
+        """Whether ``path`` is still the directory this save committed."""
+        return os.path.abspath(path) == os.path.abspath(self.path) and _identity(path) \
+            == self.identity
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+class _Base:
+    """The committed step linked to (None: none, the save is only described), how its arrays
+    are described, and what the save being written holds."""
+
+    def __init__(self, path: Path | None, stats: IncrementalStats,
+                 known: dict[str, dict[str, Any]] | None) -> None:
+        self.path = path
+        self.stats = stats
+        self._known = known  # node -> metadata without attributes, from the base's own save
+        self._copies: dict[str, Any] | None = None
+        self._read = known is not None
+        self.written: dict[str, dict[str, Any]] = {}  # the same, of the save being written
+
+    def described(self, node: str) -> dict[str, Any] | None:
+        """``node``'s metadata without attributes in the base: as the save that wrote the
+        base recorded it, else as the base's root ``zarr.json`` records it (its consolidated
+        copy, read once per save for every array); None when neither has it (then the
+        array's own ``zarr.json`` is read)."""
+        if self._known is not None:
+            return self._known.get(node)
+        if not self._read:
+            self._read = True
+            assert self.path is not None
+            self._copies = _consolidated(self.path)
+        copy = None if self._copies is None else self._copies.get(node)
+        if not isinstance(copy, dict) or copy.get("node_type") != "array":
+            return None
+        return {k: v for k, v in copy.items() if k != "attributes"}
+
+
+def _consolidated(root: Path) -> dict[str, Any] | None:
+    """The consolidated metadata of the store at ``root`` (node -> document), read through
+    no link and within the metadata bounds; None when it has none or it cannot be read."""
+    try:
+        fd = os.open(root, _O_DIR)
+    except OSError:
+        return None
+    try:
+        doc = read_json_at(fd, "zarr.json")
+    except CheckpointError:
+        return None
+    finally:
+        os.close(fd)
+    copies = ((doc.get("consolidated_metadata") or {}) if isinstance(doc, dict) else {})
+    members = copies.get("metadata") if isinstance(copies, dict) else None
+    return members if isinstance(members, dict) else None
 
 
 _BASE: ContextVar[_Base | None] = ContextVar("lean_store_incremental_base", default=None)
+_O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
+    | getattr(os, "O_CLOEXEC", 0)
+_O_FILE = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class Linking:
+    """An incremental save in progress: its running statistics, and (once it is committed)
+    :meth:`described`, for the next save to link to it without reading its documents."""
+
+    def __init__(self, base: _Base) -> None:
+        self._base = base
+        self.stats = base.stats
+
+    def described(self, path: str | os.PathLike) -> Described | None:
+        """The committed save at ``path`` (just written in this context) described, or None
+        when its directory cannot be identified."""
+        identity = _identity(Path(path))
+        if identity is None:
+            return None
+        return Described(Path(path), identity, dict(self._base.written))
 
 
 @contextmanager
-def linking_from(base: str | os.PathLike | None) -> Iterator[IncrementalStats]:
+def linking_from(base: str | os.PathLike | None,
+                 described: Described | None = None) -> Iterator[Linking]:
     """Zarr saves in this context (this thread or task) link unit files equal to ``base``'s
-    (a committed Zarr store) instead of writing them; yields the running statistics."""
-    stats = IncrementalStats()
-    token = _BASE.set(None if base is None else _Base(Path(base), stats))
+    (a committed Zarr store; None: no base, the save is only described) instead of writing
+    them. ``described``: a description of an earlier save, used when it is of ``base``."""
+    path = None if base is None else Path(base)
+    known = described.arrays if described is not None and path is not None \
+        and described.describes(path) else None
+    state = _Base(path, IncrementalStats(), known)
+    token = _BASE.set(state)
     try:
-        yield stats
+        yield Linking(state)
     finally:
         _BASE.reset(token)
 
@@ -77,19 +172,32 @@ def linker_for(new_array_dir: Path, node: str, metadata: dict[str, Any] | None =
                ) -> UnitLinker | None:
     """The linker of one array being written at ``new_array_dir``, or None when no base is
     active or the base has no array ``node`` with the same metadata (``metadata``: the new
-    array's document when its ``zarr.json`` is not written yet)."""
+    array's document when its ``zarr.json`` is not written yet).
+
+    The base's metadata is what the save that wrote it recorded (:class:`Described`), else
+    its root document's consolidated copy (one read per save), else the array's own
+    ``zarr.json``. Each only narrows which files are compared: a file is linked only when
+    its bytes equal the new ones (:meth:`UnitLinker.link_or_write`), so a base altered since
+    (its documents, its files) still gives an exact new step."""
     base = _BASE.get()
     if base is None:
         return None
-    base_dir = base.path / node
     try:
-        if base_dir.is_symlink() or not base_dir.is_dir():
-            return None
-        old = _metadata(base_dir)
         if metadata is None:
             new = _metadata(new_array_dir)
         else:
             new = {k: v for k, v in metadata.items() if k != "attributes"}
+        if new is None:
+            return None
+        base.written[node] = new
+        if base.path is None:
+            return None
+        base_dir = base.path / node
+        if not stat.S_ISDIR(os.lstat(base_dir).st_mode):  # no link followed
+            return None
+        old = base.described(node)
+        if old is None:
+            old = _metadata(base_dir)
     except (OSError, ValueError):
         return None
     if old is None or old != new:
@@ -113,22 +221,15 @@ class UnitLinker:
         self._new_dir = new_dir
         self.stats = stats
 
-    def _base_file(self, key: str) -> Path | None:
-        path = self._base_dir / key
-        if path.is_symlink() or not path.is_file():
-            return None
-        return path
-
     def link_or_write(self, path: Path, key: str, pieces: list[Any]) -> bytes | None:
         """Create ``path`` (absent) holding ``pieces`` in order: as a hard link to the base's
         file at ``key`` when that holds exactly these bytes, else by writing them. A piece
         may be a callable giving its bytes (a chunk's CRC-32C word, computed only when
         asked): it is called only if the file is written. A linked file's word at that place
         is returned instead (the CRC of the bytes compared equal: no pass over them)."""
-        base = self._base_file(key)
-        same, word = (False, None) if base is None else _same_bytes(base, pieces)
+        base = self._base_dir / key
+        same, word = _same_bytes(base, pieces)
         if same:
-            assert base is not None
             os.link(base, path)
             self.stats.linked_files += 1
             self.stats.linked_bytes += sum(_size(p) for p in pieces)
@@ -146,8 +247,8 @@ class UnitLinker:
         link to the base's file when the bytes are identical (saves space, not the write)."""
         path = self._new_dir / key
         size = path.stat().st_size
-        base = self._base_file(key)
-        if base is not None and size >= _CRC_BYTES:
+        base = self._base_dir / key
+        if size >= _CRC_BYTES:
             data = np.fromfile(path, dtype=np.uint8)
             if _same_bytes(base, [data[: size - _CRC_BYTES], data[size - _CRC_BYTES:]])[0]:
                 tmp = path.with_name(f".{path.name}.link")
@@ -191,13 +292,17 @@ def _same_bytes(base: Path, pieces: list[Any]) -> tuple[bool, bytes | None]:
     never called; the file's word there is the CRC of the bytes before it, which are
     compared with ours byte for byte. The CRC-32C words already known (pieces of 4 bytes:
     each chunk's crc32c, the shard index's) are compared first, so a changed unit costs a
-    few small reads; then every byte (:func:`_file_holds`)."""
+    few small reads; then every byte (:func:`_file_holds`). Only a regular file, reached
+    through no link at its own name, can hold them."""
     try:
-        fd = os.open(base, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
+        fd = os.open(base, _O_FILE)
+    except OSError:  # missing, or a symbolic link
         return False, None
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return False, None
+        size = info.st_size
         offsets, at = [], 0
         for piece in pieces:
             offsets.append(at)
@@ -249,4 +354,5 @@ def _file_holds(fd: int, offset: int, want: np.ndarray) -> bool:
     return True
 
 
-__all__ = ["IncrementalStats", "UnitLinker", "linker_for", "linking_from"]
+__all__ = ["Described", "IncrementalStats", "Linking", "UnitLinker", "linker_for",
+           "linking_from"]
