@@ -205,3 +205,25 @@ def test_a_failed_save_forgets_the_record(scratch, monkeypatch):
     path = ck.save(1, model=model, rng=False)
     assert len(reads.roots) == 1  # step 0's root read again: nothing kept from the failure
     _check_exact(path, model)
+
+
+def test_written_files_start_their_writeback_and_linked_ones_do_not(scratch, monkeypatch):
+    """Each unit file an incremental step writes asks the kernel to start writing it to disk
+    (the commit's syncfs then waits for less); a linked file is already durable."""
+    model = _model()
+    ck = ls.Checkpointer(scratch, backend="zarr", incremental=True)
+    ck.save(0, model=model, rng=False)
+    started: list[int] = []
+
+    def record(fd, offset, nbytes, flags):
+        assert (offset, nbytes, flags) == (0, 0, 2)  # the whole file, SYNC_FILE_RANGE_WRITE
+        started.append(os.fstat(fd).st_size)
+        return 0
+
+    monkeypatch.setattr(incremental, "_SYNC_FILE_RANGE", record)
+    _train(model)
+    path = ck.save(1, model=model, rng=False)
+    stats = ck.last_save_stats
+    assert stats.written_files >= 1 and stats.linked_files >= 2
+    assert len(started) == stats.written_files and sum(started) == stats.written_bytes
+    _check_exact(path, model)
