@@ -11,11 +11,17 @@ new step's temporary directory instead of writing it. Everything else, including
 Why this is safe:
 
 - the base is used only where the array's metadata (shape, data type, chunk grid, codecs, fill
-  value: its ``zarr.json`` without attributes) is identical, and only for files whose bytes are
-  identical, so the new step reads exactly as if it had been written in full;
+  value: its ``zarr.json`` without attributes, as the Checkpointer's previous save recorded it,
+  else as the base's root document's consolidated copy says) is identical, and only for files
+  whose bytes are identical, so the new step reads exactly as if it had been written in full
+  (the metadata only chooses which files are compared);
 - lean_store never writes into an existing file: the direct writer creates each unit file once
-  in a fresh temporary directory, and zarr-python writes through a temporary file and a rename,
-  so a linked inode is never modified, and no step can change another's data;
+  in a fresh temporary directory (exclusively), and so does zarr-python for the arrays it
+  writes (each key once; a file equal to the base's is then replaced by a link, by rename), so
+  a linked inode is never modified, and no step can change another's data. Tools that rewrite
+  a file in place would: zarr-python 3.1.0 itself does when an array of a committed step is
+  written again (``mode="r+"``: it truncates the existing chunk file; 3.1.6 writes a temporary
+  and renames), so steps must not be edited with it;
 - a hard link is a second name of the same file: deleting a step (``keep_last``, by hand, or a
   killed save's leftover temporary) removes names, never data another step still names. Each
   step stays standalone for ``ls.open``, ``verify``, zarr-python, TensorStore and ``cp -r``.
