@@ -47,7 +47,6 @@ from typing import Any
 import numpy as np
 
 from ...errors import CheckpointError
-from .checks import read_json_at
 
 _CRC_BYTES = 4
 
@@ -119,6 +118,8 @@ class _Base:
 def _consolidated(root: Path) -> dict[str, Any] | None:
     """The consolidated metadata of the store at ``root`` (node -> document), read through
     no link and within the metadata bounds; None when it has none or it cannot be read."""
+    from .checks import read_json_at  # imports zarr: not when lean_store is imported
+
     try:
         fd = os.open(root, _O_DIR)
     except OSError:
