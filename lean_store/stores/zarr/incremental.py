@@ -97,6 +97,16 @@ class _Base:
         self._copies: dict[str, Any] | None = None
         self._read = known is not None
         self.written: dict[str, dict[str, Any]] = {}  # the same, of the save being written
+        self._writeback: bool | None = None
+
+    def writeback(self, new_dir: Path) -> bool:
+        """Whether written files should start their writeback: not on a file system kept in
+        memory (tmpfs), where there is nothing to write back (asked once per save)."""
+        if self._writeback is None:
+            from ..fs_sync import in_memory
+
+            self._writeback = not in_memory(new_dir.parent)
+        return self._writeback
 
     def described(self, node: str) -> dict[str, Any] | None:
         """``node``'s metadata without attributes in the base: as the save that wrote the
@@ -209,7 +219,7 @@ def linker_for(new_array_dir: Path, node: str, metadata: dict[str, Any] | None =
         return None
     if old is None or old != new:
         return None
-    return UnitLinker(base_dir, new_array_dir, base.stats)
+    return UnitLinker(base_dir, new_array_dir, base.stats, base.writeback(new_array_dir))
 
 
 def _metadata(array_dir: Path) -> dict[str, Any] | None:
@@ -223,7 +233,10 @@ def _metadata(array_dir: Path) -> dict[str, Any] | None:
 class UnitLinker:
     """Links one array's unit files to the base's identical files."""
 
-    def __init__(self, base_dir: Path, new_dir: Path, stats: IncrementalStats) -> None:
+    def __init__(self, base_dir: Path, new_dir: Path, stats: IncrementalStats,
+                 writeback: bool = True) -> None:
+        """``writeback``: start each written file's writeback at once (not in memory)."""
+        self._writeback = writeback
         self._base_dir = base_dir
         self._new_dir = new_dir
         self.stats = stats
@@ -245,8 +258,9 @@ class UnitLinker:
         with open(path, "xb") as f:  # never into an existing file (it may be a link)
             for piece in pieces:
                 size += f.write(piece() if callable(piece) else piece)
-            f.flush()
-            _start_writeback(f.fileno())
+            if self._writeback:
+                f.flush()
+                _start_writeback(f.fileno())
         self.stats.written_files += 1
         self.stats.written_bytes += size
         return None
