@@ -40,7 +40,7 @@ from ..options import SaveOptions, merge_options
 from ..stores.commit import remove_path
 from ..stores.registry import BACKENDS, backend_record
 from ..stores.target import check_replaceable
-from ..stores.zarr.incremental import IncrementalStats, linking_from
+from ..stores.zarr.incremental import Described, IncrementalStats, linking_from
 from .api import load_training, save_training
 from .state import SCHEDULED, TrainingInfo
 
@@ -101,6 +101,7 @@ class Checkpointer:
         self._deleting: dict[str, Future[None]] = {}  # hidden name -> its removal
         self.last_save_stats: IncrementalStats | None = None
         """Written and linked unit-file bytes of the last save, when it had a step to link to."""
+        self._described: Described | None = None  # the last incremental save's arrays
         if create:
             self.directory.mkdir(parents=True, exist_ok=True)
         elif not self.directory.is_dir():
@@ -166,12 +167,21 @@ class Checkpointer:
         path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
         if existing is not None and existing != path:
             check_replaceable(existing)  # it is removed after the save: refuse before it
-        base = self._base() if self.incremental else None
-        with linking_from(base) as stats:
+        if self.incremental:
+            base = self._base()
+            self._described, described = None, self._described
+            with linking_from(base, described) as linking:
+                save_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
+                              step=step, rng=rng, data=data, extra=extra,
+                              generators=generators, backend=self.backend, options=opts)
+            # the next step links to this one: its arrays as written, no document reread
+            self._described = linking.described(path)
+            self.last_save_stats = linking.stats if base is not None else None
+        else:
             save_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
                           step=step, rng=rng, data=data, extra=extra, generators=generators,
                           backend=self.backend, options=opts)
-        self.last_save_stats = stats if base is not None else None
+            self.last_save_stats = None
         if existing is not None and existing != path:
             self._remove(existing)
         self._prune()

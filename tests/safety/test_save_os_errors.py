@@ -22,7 +22,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-import zarr
 
 import lean_store as ls
 from lean_store.errors import SaveIOError
@@ -168,13 +167,17 @@ def fail_creating(monkeypatch, suffix: str, code: int, create: bool) -> None:
             raise OSError(code, os.strerror(code), str(name))
 
         monkeypatch.setattr(h5py, "File", h5file)
-    else:
-        def open_group(*args, store, **kwargs):
-            if create:
-                Path(store).mkdir()
-            raise OSError(code, os.strerror(code), str(store))
+    else:  # the temporary directory's mkdir (a Zarr save opens no zarr group for it)
+        real_mkdir = Path.mkdir
 
-        monkeypatch.setattr(zarr, "open_group", open_group)
+        def mkdir(self, *args, **kwargs):
+            if ".lean_store-tmp-" not in self.name:
+                return real_mkdir(self, *args, **kwargs)
+            if create:
+                real_mkdir(self)
+            raise OSError(code, os.strerror(code), str(self))
+
+        monkeypatch.setattr(Path, "mkdir", mkdir)
 
 
 @pytest.mark.parametrize("create", [True, False])

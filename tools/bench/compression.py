@@ -16,7 +16,9 @@ disk and the ratios the targets are stated in.
 Incremental: a larger MLP of the same shape (``--incremental-width``) fine-tuned with only its
 last Linear layer trainable (~90 % of its parameters frozen), saved as Zarr training checkpoints
 by ``Checkpointer(incremental=True)`` against full steps of the same state, with and without
-its AdamW moments.
+its AdamW moments: each step's state is saved both ways, in alternating order, each save after
+the steps its Checkpointer pruned before are removed (in training, the time between saves lets
+the background removal finish). ``--incremental-only`` runs this part alone.
 ``--stages`` also times each codec stage alone on the same weights (single calls, fastest of
 5): Blosc zstd level 1 with its byte shuffle and 1 MiB blocks on one thread (as on the save's
 pool threads) and on Blosc's own two threads, its decompression, the byte shuffle alone
@@ -250,33 +252,58 @@ def bench_incremental(model: torch.nn.Module, width: int, work: Path, steps: int
         "frozen_fraction": 1 - sum(p.numel() for p in trainable) / total}
     opt = torch.optim.AdamW(trainable, lr=1e-4)
     for what in ("model", "model+adamw"):
-        for mode in ("full", "incremental"):
-            ck = ls.Checkpointer(work / f"{what}-{mode}", backend="zarr", keep_last=3,
-                                 incremental=mode == "incremental")
-            times, written = [], []
-            for step in range(steps):
-                loss = model(torch.randn(16, width)).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+        cks = {mode: ls.Checkpointer(work / f"{what}-{mode}", backend="zarr", keep_last=3,
+                                     incremental=mode == "incremental")
+               for mode in ("full", "incremental")}
+        times: dict[str, list[float]] = {mode: [] for mode in cks}
+        written: dict[str, list[float]] = {mode: [] for mode in cks}
+        for step in range(steps):
+            loss = model(torch.randn(16, width)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            # the same state saved both ways, alternating which goes first (a shared machine's
+            # interference falls on both); the steps pruned before are removed first, as a
+            # training step's time would let the background removal finish
+            for mode in (("full", "incremental") if step % 2 else ("incremental", "full")):
+                ck = cks[mode]
+                ck.finish_deletions()
                 t0 = time.perf_counter()
                 path = ck.save(step, model=model, rng=False,
                                optimizer=opt if what == "model+adamw" else None)
-                times.append(time.perf_counter() - t0)
+                times[mode].append(time.perf_counter() - t0)
                 stats = ck.last_save_stats
-                written.append(disk_bytes(path) if stats is None or step == 0
-                               else stats.written_bytes)
-            ck.finish_deletions()  # pruned steps' files, removed in the background meanwhile
-            later = slice(1, None)  # step 0 of an incremental run has nothing to link to
+                written[mode].append(disk_bytes(path) if stats is None or step == 0
+                                     else stats.written_bytes)
+        later = slice(1, None)  # step 0 of an incremental run has nothing to link to
+        for mode, ck in cks.items():
+            ck.finish_deletions()
             result[f"{what} {mode}"] = {
-                "save_s": min(times[later]), "save_s_median": statistics.median(times[later]),
-                "written_bytes": statistics.median(written[later]),
+                "save_s": min(times[mode][later]),
+                "save_s_median": statistics.median(times[mode][later]),
+                "written_bytes": statistics.median(written[mode][later]),
                 "steps_left": ck.steps(),
                 "all_verify": all(ls.verify(ck.path(s)).ok for s in ck.steps())}
         full, inc = result[f"{what} full"], result[f"{what} incremental"]
         result[f"{what} bytes_ratio"] = inc["written_bytes"] / full["written_bytes"]
         result[f"{what} time_ratio"] = inc["save_s"] / full["save_s"]
+        result[f"{what} time_ratio_median"] = inc["save_s_median"] / full["save_s_median"]
     return result
+
+
+def print_incremental(inc: dict[str, Any], n_params: int, steps: int) -> None:
+    print(f"\nincremental Zarr steps, {n_params / 1e6:.0f}M parameters, "
+          f"{inc['frozen_fraction']:.0%} frozen (fastest of steps 1..{steps - 1}, median in "
+          "brackets; bytes: chunk/shard files written):")
+    for what in ("model", "model+adamw"):
+        full, part = inc[f"{what} full"], inc[f"{what} incremental"]
+        print(f"  {what:12} full step {full['written_bytes'] / MiB:8.2f} MiB "
+              f"{full['save_s']:7.3f} s ({full['save_s_median']:.3f}) | incremental "
+              f"{part['written_bytes'] / MiB:8.2f} MiB {part['save_s']:7.3f} s "
+              f"({part['save_s_median']:.3f}) | bytes x{inc[f'{what} bytes_ratio']:.3f} "
+              f"time x{inc[f'{what} time_ratio']:.3f} "
+              f"({inc[f'{what} time_ratio_median']:.3f}) | steps left {part['steps_left']}, "
+              f"all verify {part['all_verify']}")
 
 
 def main() -> None:
@@ -288,6 +315,8 @@ def main() -> None:
     ap.add_argument("--incremental-steps", type=int, default=6)
     ap.add_argument("--incremental-width", type=int, default=1024,
                     help="width of the (untrained) model of the incremental run")
+    ap.add_argument("--incremental-only", action="store_true",
+                    help="only the incremental steps (no training, no format table)")
     ap.add_argument("--cache", default=None,
                     help="a .pt file of the trained weights: loaded when present, else written")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
@@ -298,6 +327,18 @@ def main() -> None:
                     help="comma-separated HDF5 settings to compare with uncompressed (e.g. "
                          "'weights' alone, to measure a lean_store without 'weights-gzip')")
     args = ap.parse_args()
+    if args.incremental_only:
+        work = Path(tempfile.mkdtemp(prefix="lean_store-bench-", dir=args.dir))
+        try:
+            big = mlp(args.incremental_width, args.layers)
+            inc = bench_incremental(big, args.incremental_width, work, args.incremental_steps)
+            print_incremental(inc, sum(p.numel() for p in big.parameters()),
+                              args.incremental_steps)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"incremental": inc}, indent=1))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     COMPRESSIONS["hdf5"] = (None, *args.hdf5_compressions.split(","))
     t0 = time.perf_counter()
     if args.cache and Path(args.cache).exists():
@@ -329,17 +370,7 @@ def main() -> None:
         print_side_by_side(rows)
         big = mlp(args.incremental_width, args.layers)
         inc = bench_incremental(big, args.incremental_width, work, args.incremental_steps)
-        n_big = sum(p.numel() for p in big.parameters())
-        print(f"\nincremental Zarr steps, {n_big / 1e6:.0f}M parameters, "
-              f"{inc['frozen_fraction']:.0%} frozen (fastest of steps "
-              f"1..{args.incremental_steps - 1}; bytes: chunk/shard files written):")
-        for what in ("model", "model+adamw"):
-            full, part = inc[f"{what} full"], inc[f"{what} incremental"]
-            print(f"  {what:12} full step {full['written_bytes'] / MiB:8.2f} MiB "
-                  f"{full['save_s']:7.3f} s | incremental {part['written_bytes'] / MiB:8.2f} MiB "
-                  f"{part['save_s']:7.3f} s | bytes x{inc[f'{what} bytes_ratio']:.3f} "
-                  f"time x{inc[f'{what} time_ratio']:.3f} | steps left {part['steps_left']}, "
-                  f"all verify {part['all_verify']}")
+        print_incremental(inc, sum(p.numel() for p in big.parameters()), args.incremental_steps)
         if args.json:
             Path(args.json).write_text(json.dumps({"formats": rows, "incremental": inc,
                                                    "codec_stages": stages},

@@ -11,11 +11,17 @@ new step's temporary directory instead of writing it. Everything else, including
 Why this is safe:
 
 - the base is used only where the array's metadata (shape, data type, chunk grid, codecs, fill
-  value: its ``zarr.json`` without attributes) is identical, and only for files whose bytes are
-  identical, so the new step reads exactly as if it had been written in full;
+  value: its ``zarr.json`` without attributes, as the Checkpointer's previous save recorded it,
+  else as the base's root document's consolidated copy says) is identical, and only for files
+  whose bytes are identical, so the new step reads exactly as if it had been written in full
+  (the metadata only chooses which files are compared);
 - lean_store never writes into an existing file: the direct writer creates each unit file once
-  in a fresh temporary directory, and zarr-python writes through a temporary file and a rename,
-  so a linked inode is never modified, and no step can change another's data;
+  in a fresh temporary directory (exclusively), and so does zarr-python for the arrays it
+  writes (each key once; a file equal to the base's is then replaced by a link, by rename), so
+  a linked inode is never modified, and no step can change another's data. Tools that rewrite
+  a file in place would: zarr-python 3.1.0 itself does when an array of a committed step is
+  written again (``mode="r+"``: it truncates the existing chunk file; 3.1.6 writes a temporary
+  and renames), so steps must not be edited with it;
 - a hard link is a second name of the same file: deleting a step (``keep_last``, by hand, or a
   killed save's leftover temporary) removes names, never data another step still names. Each
   step stays standalone for ``ls.open``, ``verify``, zarr-python, TensorStore and ``cp -r``.
@@ -29,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ...errors import CheckpointError
 
 _CRC_BYTES = 4
 
@@ -53,22 +62,125 @@ class IncrementalStats:
 
 
 @dataclass(frozen=True)
-class _Base:
+class Described:
+    """What one committed Zarr save holds: each array's metadata without its attributes, by
+    node, as the save wrote it. The next incremental save takes its base's arrays from it
+    instead of reading the base's documents again."""
+
     path: Path
-    stats: IncrementalStats
+    identity: tuple[int, int]  # (st_dev, st_ino) of the committed directory
+    arrays: dict[str, dict[str, Any]]
+
+    def describes(self, path: Path) -> bool:
+        """Whether ``path`` is still the directory this save committed."""
+        return os.path.abspath(path) == os.path.abspath(self.path) and _identity(path) \
+            == self.identity
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+class _Base:
+    """The committed step linked to (None: none, the save is only described), how its arrays
+    are described, and what the save being written holds."""
+
+    def __init__(self, path: Path | None, stats: IncrementalStats,
+                 known: dict[str, dict[str, Any]] | None) -> None:
+        self.path = path
+        self.stats = stats
+        self._known = known  # node -> metadata without attributes, from the base's own save
+        self._copies: dict[str, Any] | None = None
+        self._read = known is not None
+        self.written: dict[str, dict[str, Any]] = {}  # the same, of the save being written
+        self._writeback: bool | None = None
+
+    def writeback(self, new_dir: Path) -> bool:
+        """Whether written files should start their writeback: not on a file system kept in
+        memory (tmpfs), where there is nothing to write back (asked once per save)."""
+        if self._writeback is None:
+            from ..fs_sync import in_memory
+
+            self._writeback = not in_memory(new_dir.parent)
+        return self._writeback
+
+    def described(self, node: str) -> dict[str, Any] | None:
+        """``node``'s metadata without attributes in the base: as the save that wrote the
+        base recorded it, else as the base's root ``zarr.json`` records it (its consolidated
+        copy, read once per save for every array); None when neither has it (then the
+        array's own ``zarr.json`` is read)."""
+        if self._known is not None:
+            return self._known.get(node)
+        if not self._read:
+            self._read = True
+            assert self.path is not None
+            self._copies = _consolidated(self.path)
+        copy = None if self._copies is None else self._copies.get(node)
+        if not isinstance(copy, dict) or copy.get("node_type") != "array":
+            return None
+        return {k: v for k, v in copy.items() if k != "attributes"}
+
+
+def _consolidated(root: Path) -> dict[str, Any] | None:
+    """The consolidated metadata of the store at ``root`` (node -> document), read through
+    no link and within the metadata bounds; None when it has none or it cannot be read."""
+    from .checks import read_json_at  # imports zarr: not when lean_store is imported
+
+    try:
+        fd = os.open(root, _O_DIR)
+    except OSError:
+        return None
+    try:
+        doc = read_json_at(fd, "zarr.json")
+    except CheckpointError:
+        return None
+    finally:
+        os.close(fd)
+    copies = ((doc.get("consolidated_metadata") or {}) if isinstance(doc, dict) else {})
+    members = copies.get("metadata") if isinstance(copies, dict) else None
+    return members if isinstance(members, dict) else None
 
 
 _BASE: ContextVar[_Base | None] = ContextVar("lean_store_incremental_base", default=None)
+_O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
+    | getattr(os, "O_CLOEXEC", 0)
+_O_FILE = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class Linking:
+    """An incremental save in progress: its running statistics, and (once it is committed)
+    :meth:`described`, for the next save to link to it without reading its documents."""
+
+    def __init__(self, base: _Base) -> None:
+        self._base = base
+        self.stats = base.stats
+
+    def described(self, path: str | os.PathLike) -> Described | None:
+        """The committed save at ``path`` (just written in this context) described, or None
+        when its directory cannot be identified."""
+        identity = _identity(Path(path))
+        if identity is None:
+            return None
+        return Described(Path(path), identity, dict(self._base.written))
 
 
 @contextmanager
-def linking_from(base: str | os.PathLike | None) -> Iterator[IncrementalStats]:
+def linking_from(base: str | os.PathLike | None,
+                 described: Described | None = None) -> Iterator[Linking]:
     """Zarr saves in this context (this thread or task) link unit files equal to ``base``'s
-    (a committed Zarr store) instead of writing them; yields the running statistics."""
-    stats = IncrementalStats()
-    token = _BASE.set(None if base is None else _Base(Path(base), stats))
+    (a committed Zarr store; None: no base, the save is only described) instead of writing
+    them. ``described``: a description of an earlier save, used when it is of ``base``."""
+    path = None if base is None else Path(base)
+    known = described.arrays if described is not None and path is not None \
+        and described.describes(path) else None
+    state = _Base(path, IncrementalStats(), known)
+    token = _BASE.set(state)
     try:
-        yield stats
+        yield Linking(state)
     finally:
         _BASE.reset(token)
 
@@ -77,24 +189,37 @@ def linker_for(new_array_dir: Path, node: str, metadata: dict[str, Any] | None =
                ) -> UnitLinker | None:
     """The linker of one array being written at ``new_array_dir``, or None when no base is
     active or the base has no array ``node`` with the same metadata (``metadata``: the new
-    array's document when its ``zarr.json`` is not written yet)."""
+    array's document when its ``zarr.json`` is not written yet).
+
+    The base's metadata is what the save that wrote it recorded (:class:`Described`), else
+    its root document's consolidated copy (one read per save), else the array's own
+    ``zarr.json``. Each only narrows which files are compared: a file is linked only when
+    its bytes equal the new ones (:meth:`UnitLinker.link_or_write`), so a base altered since
+    (its documents, its files) still gives an exact new step."""
     base = _BASE.get()
     if base is None:
         return None
-    base_dir = base.path / node
     try:
-        if base_dir.is_symlink() or not base_dir.is_dir():
-            return None
-        old = _metadata(base_dir)
         if metadata is None:
             new = _metadata(new_array_dir)
         else:
             new = {k: v for k, v in metadata.items() if k != "attributes"}
+        if new is None:
+            return None
+        base.written[node] = new
+        if base.path is None:
+            return None
+        base_dir = base.path / node
+        if not stat.S_ISDIR(os.lstat(base_dir).st_mode):  # no link followed
+            return None
+        old = base.described(node)
+        if old is None:
+            old = _metadata(base_dir)
     except (OSError, ValueError):
         return None
     if old is None or old != new:
         return None
-    return UnitLinker(base_dir, new_array_dir, base.stats)
+    return UnitLinker(base_dir, new_array_dir, base.stats, base.writeback(new_array_dir))
 
 
 def _metadata(array_dir: Path) -> dict[str, Any] | None:
@@ -108,16 +233,13 @@ def _metadata(array_dir: Path) -> dict[str, Any] | None:
 class UnitLinker:
     """Links one array's unit files to the base's identical files."""
 
-    def __init__(self, base_dir: Path, new_dir: Path, stats: IncrementalStats) -> None:
+    def __init__(self, base_dir: Path, new_dir: Path, stats: IncrementalStats,
+                 writeback: bool = True) -> None:
+        """``writeback``: start each written file's writeback at once (not in memory)."""
+        self._writeback = writeback
         self._base_dir = base_dir
         self._new_dir = new_dir
         self.stats = stats
-
-    def _base_file(self, key: str) -> Path | None:
-        path = self._base_dir / key
-        if path.is_symlink() or not path.is_file():
-            return None
-        return path
 
     def link_or_write(self, path: Path, key: str, pieces: list[Any]) -> bytes | None:
         """Create ``path`` (absent) holding ``pieces`` in order: as a hard link to the base's
@@ -125,10 +247,9 @@ class UnitLinker:
         may be a callable giving its bytes (a chunk's CRC-32C word, computed only when
         asked): it is called only if the file is written. A linked file's word at that place
         is returned instead (the CRC of the bytes compared equal: no pass over them)."""
-        base = self._base_file(key)
-        same, word = (False, None) if base is None else _same_bytes(base, pieces)
+        base = self._base_dir / key
+        same, word = _same_bytes(base, pieces)
         if same:
-            assert base is not None
             os.link(base, path)
             self.stats.linked_files += 1
             self.stats.linked_bytes += sum(_size(p) for p in pieces)
@@ -137,6 +258,9 @@ class UnitLinker:
         with open(path, "xb") as f:  # never into an existing file (it may be a link)
             for piece in pieces:
                 size += f.write(piece() if callable(piece) else piece)
+            if self._writeback:
+                f.flush()
+                _start_writeback(f.fileno())
         self.stats.written_files += 1
         self.stats.written_bytes += size
         return None
@@ -146,8 +270,8 @@ class UnitLinker:
         link to the base's file when the bytes are identical (saves space, not the write)."""
         path = self._new_dir / key
         size = path.stat().st_size
-        base = self._base_file(key)
-        if base is not None and size >= _CRC_BYTES:
+        base = self._base_dir / key
+        if size >= _CRC_BYTES:
             data = np.fromfile(path, dtype=np.uint8)
             if _same_bytes(base, [data[: size - _CRC_BYTES], data[size - _CRC_BYTES:]])[0]:
                 tmp = path.with_name(f".{path.name}.link")
@@ -173,6 +297,29 @@ def _libc_memcmp() -> Any:
 _MEMCMP = _libc_memcmp()
 
 
+def _libc_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing the file's dirty pages to disk now, without waiting (Linux
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``): the step's written files are usually its
+    last tensors, and the commit's ``syncfs`` then waits for less. Durability is still the
+    commit's: this only starts it sooner (a no-op in memory file systems and elsewhere)."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
 def _equal_at(address: int, want: np.ndarray) -> bool:
     """The ``want.size`` bytes at ``address`` equal the contiguous uint8 array ``want``
     (memcmp: no temporary)."""
@@ -191,13 +338,17 @@ def _same_bytes(base: Path, pieces: list[Any]) -> tuple[bool, bytes | None]:
     never called; the file's word there is the CRC of the bytes before it, which are
     compared with ours byte for byte. The CRC-32C words already known (pieces of 4 bytes:
     each chunk's crc32c, the shard index's) are compared first, so a changed unit costs a
-    few small reads; then every byte (:func:`_file_holds`)."""
+    few small reads; then every byte (:func:`_file_holds`). Only a regular file, reached
+    through no link at its own name, can hold them."""
     try:
-        fd = os.open(base, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
+        fd = os.open(base, _O_FILE)
+    except OSError:  # missing, or a symbolic link
         return False, None
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return False, None
+        size = info.st_size
         offsets, at = [], 0
         for piece in pieces:
             offsets.append(at)
@@ -249,4 +400,5 @@ def _file_holds(fd: int, offset: int, want: np.ndarray) -> bool:
     return True
 
 
-__all__ = ["IncrementalStats", "UnitLinker", "linker_for", "linking_from"]
+__all__ = ["Described", "IncrementalStats", "Linking", "UnitLinker", "linker_for",
+           "linking_from"]

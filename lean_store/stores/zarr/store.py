@@ -314,15 +314,30 @@ class ZarrWriter(StoreWriter):
     _written: dict[str, Any] | None = None
     _all_direct = False
     _queue: OrderedPool | None = None  # Blosc workers of a "weights" save, when used
+    _group_handle: zarr.Group | None = None
 
     def __init__(self, path: str | os.PathLike, *, chunk_bytes: int, compression: Any = None):
         super().__init__(path, chunk_bytes=chunk_bytes, compression=compression)
         self._compressors = compressors_for(compression)
-        with self._creating():
-            self._group = zarr.open_group(store=str(self.tmp_path), mode="w-", zarr_format=3)
+        with self._creating():  # a new, empty directory (mkdir refuses an existing one)
+            self._commit.make_directory()
         self._direct_root: Path | None = self.tmp_path  # None: write through zarr only
         self._written = {}
         self._all_direct = True
+
+    @property
+    def _group(self) -> zarr.Group:
+        """The temporary store as a zarr group, opened (its empty group document written)
+        only when an array is created through zarr: lean_store's own layouts write every
+        document, the root's last, without zarr's objects (~10 ms a save in ``open_group``)."""
+        if self._group_handle is None:
+            self._group_handle = zarr.open_group(store=str(self.tmp_path), mode="a",
+                                                 zarr_format=3)
+        return self._group_handle
+
+    @_group.setter
+    def _group(self, group: zarr.Group) -> None:
+        self._group_handle = group
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         fmt = entry.format
@@ -395,7 +410,7 @@ class ZarrWriter(StoreWriter):
         if self._direct_root is not None and self._all_direct and self._written is not None:
             # every array's final document is known: the root carrying the consolidated
             # metadata and ``complete`` is written once, last, without rereading the arrays
-            attrs = {**dict(self._group.attrs), **_plain(root_attrs), "complete": True}
+            attrs = {**_plain(root_attrs), "complete": True}  # a new group has none
             doc = consolidated_group_document(attrs, self._written)
             (self._direct_root / "zarr.json").write_bytes(json_document_bytes(doc))
             return
