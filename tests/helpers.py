@@ -117,3 +117,16 @@ def zarr_layout_state(seed: int, *, several_shards: bool = False) -> dict[str, A
         "scalar": np.float64(3.5),
     })
     return state
+
+
+def through_zarr_python(m: Any) -> None:
+    """Within the monkeypatch context ``m``, Zarr saves go through zarr-python's own
+    ``create_array``, codec pipeline and CRC-32C codec (no direct writer, no lean_store
+    documents): "stock" files to compare lean_store's direct writes with."""
+    from zarr.codecs import Crc32cCodec
+
+    from lean_store.stores.zarr import store as zarr_store
+
+    m.setattr(zarr_store, "direct_ok", lambda *args, **kwargs: False)
+    m.setattr(zarr_store, "PLAIN_IS_DIRECT", False)
+    m.setattr(zarr_store, "crc32c_codec", Crc32cCodec)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from helpers import without_save_id, zarr_layout_state
+from helpers import through_zarr_python, without_save_id, zarr_layout_state
 from zarr.codecs import Crc32cCodec
 from zarr.core.array_spec import ArrayConfig, ArraySpec
 from zarr.core.buffer import default_buffer_prototype
@@ -17,7 +17,6 @@ from zarr.core.dtype import parse_data_type
 
 import lean_store as ls
 from lean_store.stores.zarr import compat as zarr_compat
-from lean_store.stores.zarr import store as zarr_store
 from lean_store.stores.zarr.crc import LeanCrc32cCodec
 from lean_store.stores.zarr.direct_write import direct_ok
 
@@ -61,8 +60,7 @@ def test_store_bytes_equal_stock_zarr(tmp_path: Path, monkeypatch: pytest.Monkey
     chunk_bytes = 1024  # 8 rows of 32 float32: sharded tensors have 8+ chunks
     ls.save(STATE, tmp_path / "ours.zarr", chunk_bytes=chunk_bytes)
     with monkeypatch.context() as m:
-        m.setattr(zarr_store, "direct_ok", lambda array: False)
-        m.setattr(zarr_store, "crc32c_codec", Crc32cCodec)
+        through_zarr_python(m)
         ls.save(STATE, tmp_path / "stock.zarr", chunk_bytes=chunk_bytes)
     ours = without_save_id(_files(tmp_path / "ours.zarr"))
     stock = without_save_id(_files(tmp_path / "stock.zarr"))

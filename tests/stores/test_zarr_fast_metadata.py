@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import zarr
-from zarr.codecs import Crc32cCodec
+from helpers import through_zarr_python
 
 import lean_store as ls
 from lean_store.stores.zarr import compat as zarr_compat
@@ -51,8 +51,7 @@ def _files(root: Path) -> dict[str, bytes]:
 def _stock_save(path: Path, monkeypatch: pytest.MonkeyPatch, **kw) -> None:
     """The same save through zarr's own path: create_array, attribute update, consolidate."""
     with monkeypatch.context() as m:
-        m.setattr(zarr_store, "direct_ok", lambda array: False)
-        m.setattr(zarr_store, "crc32c_codec", Crc32cCodec)
+        through_zarr_python(m)
         ls.save(STATE, path, **kw)
 
 

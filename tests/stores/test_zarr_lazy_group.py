@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from zarr.codecs import Crc32cCodec
+from helpers import through_zarr_python
 
 import lean_store as ls
 from lean_store.stores.zarr import store as zarr_store
@@ -64,11 +64,11 @@ def test_group_opened_late_among_direct_arrays(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Arrays "a", "b" written directly, then "c" through zarr's create_array (its group
     opened only then, beside them), then "d" directly: every file equals the stock save's."""
-    real = zarr_store.direct_ok
+    real = zarr_store.plain_array_document
 
-    def all_but_c(array, **kw):
-        attrs = array.get("attributes", {}) if isinstance(array, dict) else {}
-        return attrs.get("name") != "c" and real(array, **kw)
+    def all_but_c(shape, dtype, chunks, shards, attrs, *rest):
+        return None if attrs.get("name") == "c" else real(shape, dtype, chunks, shards, attrs,
+                                                         *rest)
 
     opened = []
     real_open = zarr.open_group
@@ -78,13 +78,12 @@ def test_group_opened_late_among_direct_arrays(tmp_path: Path,
         return real_open(*args, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(zarr_store, "direct_ok", all_but_c)
+        m.setattr(zarr_store, "plain_array_document", all_but_c)
         m.setattr(zarr, "open_group", counting)
         ls.save(STATE, tmp_path / "mixed.zarr", chunk_bytes=1024)
     assert opened == ["a"]  # once, when "c" needed zarr
     with monkeypatch.context() as m:  # everything through zarr, as zarr-python writes it
-        m.setattr(zarr_store, "direct_ok", lambda array, **kw: False)
-        m.setattr(zarr_store, "crc32c_codec", Crc32cCodec)
+        through_zarr_python(m)
         ls.save(STATE, tmp_path / "stock.zarr", chunk_bytes=1024)
     mixed, stock = _files(tmp_path / "mixed.zarr"), _files(tmp_path / "stock.zarr")
     assert _root(mixed) == _root(stock)

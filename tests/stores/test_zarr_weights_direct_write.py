@@ -13,11 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 import zarr
-from helpers import without_save_id
-from zarr.codecs import Crc32cCodec
+from helpers import through_zarr_python, without_save_id
 
 import lean_store as ls
-from lean_store.stores.zarr import store as zarr_store
 from lean_store.stores.zarr.direct_write import blosc_settings, direct_ok
 
 RNG = np.random.default_rng(15)
@@ -48,8 +46,7 @@ def _stock_save(state: dict[str, Any], path: Path, monkeypatch: pytest.MonkeyPat
                 **kw: Any) -> None:
     """The same save through zarr-python's own codec pipeline and metadata writes."""
     with monkeypatch.context() as m:
-        m.setattr(zarr_store, "direct_ok", lambda array, **_: False)
-        m.setattr(zarr_store, "crc32c_codec", Crc32cCodec)
+        through_zarr_python(m)
         ls.save(state, path, compression="weights", **kw)
 
 

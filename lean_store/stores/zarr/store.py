@@ -76,7 +76,7 @@ SHARD_MIN_CHUNKS = 8
 # construction (``bytes`` little endian + ``crc32c``, the sharding index likewise): written
 # directly wherever the direct writer writes at all (a little-endian machine), without
 # re-reading its codecs per tensor (tests/stores/test_zarr_fast_metadata.py pins both)
-_PLAIN_DIRECT = direct_ok(plain_array_document((1,), np.dtype("<f4"), (1,), None, {}, ("x",))
+PLAIN_IS_DIRECT = direct_ok(plain_array_document((1,), np.dtype("<f4"), (1,), None, {}, ("x",))
                           or {}) and direct_ok(plain_array_document(
                               (16,), np.dtype("<f4"), (1,), (8,), {}, ("x",)) or {})
 
@@ -354,7 +354,7 @@ class ZarrWriter(StoreWriter):
             # direct writer (Blosc chunks compressed on the writer's pool)
             doc = plain_array_document(shape, dtype, chunks, shards, _plain(attrs),
                                        dimension_names(entry), compressor)
-            if doc is not None and (_PLAIN_DIRECT if compressor is None
+            if doc is not None and (PLAIN_IS_DIRECT if compressor is None
                                     else direct_ok(doc, compressed=True)):
                 array_dir = self._direct_root / node
                 linker = linker_for(array_dir, node, doc)  # incremental steps only
