@@ -92,7 +92,7 @@ def write_source(
                     bar.advance(bits.nbytes)
                 # units of host memory: the file written and its CRC-32C computed on a
                 # worker while the next units are prepared (and written, on the other worker)
-                if stable and bits.nbytes >= OVERLAP_CRC_BYTES and not sink.defers_crc:
+                if stable and bits.nbytes >= OVERLAP_CRC_BYTES and not sink.links_units:
                     order.make_room(bits.nbytes)
                     later = sink.write_later(region, bits, _submitter(crc_pool))
                     if later is not None:
@@ -117,12 +117,12 @@ def _write_unit(crc_pool: ThreadPoolExecutor, sink: Any, region: Any, bits: Any)
     """Write one unit in order; its CRC-32C (computed in one pass, combined into the
     tensor's digest): units of 1 MiB or more have it computed on another core while the store
     writes them (crc32c releases the GIL). Returns once ``bits`` is no longer read."""
-    if sink.defers_crc and bits.nbytes >= OVERLAP_CRC_BYTES:
-        lazy = _LazyCRC(crc_pool, bits)
+    if sink.links_units and bits.nbytes >= OVERLAP_CRC_BYTES:
+        lazy = _WorkerCRC(crc_pool, bits)
         try:
-            known = sink.write(region, bits, lazy)
+            sink.write(region, bits, lazy)
         finally:  # the CRC reads ``bits``: done before its buffer can be reused
-            unit_crc = lazy() if known is None else known
+            unit_crc = lazy()
         return unit_crc
     pending = None
     if bits.nbytes >= OVERLAP_CRC_BYTES:
@@ -225,20 +225,23 @@ class _InOrder:
         self._queue.clear()
 
 
-class _LazyCRC:
-    """The CRC-32C of ``bits``, computed on the CRC workers only once asked for."""
+class _WorkerCRC:
+    """The CRC-32C of ``bits``, started on the CRC workers at once (an incremental step
+    compares the unit's bytes with its base's meanwhile, then checks the base's stored word
+    against it), waited for only when asked for."""
 
     def __init__(self, pool: ThreadPoolExecutor, bits: Any) -> None:
-        self._pool = pool
         self._bits = bits
         self._value: int | None = None
+        try:
+            self._pending: Any = pool.submit(crc32c_of, bits)
+        except RuntimeError:  # pools refuse work once interpreter shutdown has begun
+            self._pending = None
 
     def __call__(self) -> int:
         if self._value is None:
-            try:
-                self._value = self._pool.submit(crc32c_of, self._bits).result()
-            except RuntimeError:  # pools refuse work once interpreter shutdown has begun
-                self._value = crc32c_of(self._bits)
+            self._value = crc32c_of(self._bits) if self._pending is None \
+                else self._pending.result()
         return self._value
 
 

@@ -31,16 +31,30 @@ def linker(tmp_path):
     return UnitLinker(base, new, IncrementalStats()), data
 
 
-def test_equal_bytes_are_linked_without_computing_their_crc(linker, tmp_path):
-    """A chunk whose bytes equal the base file's takes the base's CRC word (the CRC of those
-    bytes) instead of a pass over them: the callable is never called."""
+def test_equal_bytes_are_linked_once_their_crc_word_matches(linker, tmp_path):
+    """A chunk whose bytes equal the base file's is linked when the base's stored CRC word
+    equals the CRC of the new bytes (the callable, asked once, after the bytes compared
+    equal)."""
     unit, data = linker
     calls = []
     word = unit.link_or_write(tmp_path / "new" / "c0", "c0", [
         np.frombuffer(data, np.uint8), lambda: (calls.append(1), _word(data))[1]])
     assert os.path.samefile(tmp_path / "new" / "c0", tmp_path / "base" / "c0")
-    assert word == _word(data) and not calls
+    assert word == _word(data) and calls == [1]
     assert unit.stats.linked_files == 1 and unit.stats.written_files == 0
+
+
+def test_equal_bytes_with_a_damaged_base_word_are_written(linker, tmp_path):
+    """Equal data bytes but a base word that is not their CRC: written afresh with the right
+    word, never linked (the new step would carry the base's damage)."""
+    unit, data = linker
+    wrong = bytes(b ^ 0xFF for b in _word(data))
+    word = unit.link_or_write(tmp_path / "new" / "c0", "c0", [
+        np.frombuffer(data, np.uint8), lambda: wrong])
+    path = tmp_path / "new" / "c0"
+    assert word is None and not os.path.samefile(path, tmp_path / "base" / "c0")
+    assert path.read_bytes() == data + wrong
+    assert unit.stats.written_files == 1 and unit.stats.linked_files == 0
 
 
 def test_same_crc_word_different_bytes_is_written_not_linked(linker, tmp_path):
@@ -84,9 +98,10 @@ def test_zarr_chunks_take_the_save_crc_instead_of_a_second_pass(tmp_path, monkey
     np.testing.assert_array_equal(zarr.open_group(str(path), mode="r")["w"][...], w)
 
 
-def test_incremental_step_skips_the_crc_pass_of_linked_chunks(tmp_path, monkeypatch):
-    """Only the changed chunks' bytes are CRC'd in an incremental step; every step still
-    verifies (each chunk's CRC and the tensors' digests) and loads exactly."""
+def test_incremental_step_makes_one_crc_pass_per_chunk(tmp_path, monkeypatch):
+    """Every chunk's bytes are CRC'd once in an incremental step, linked or written (a
+    linked chunk's CRC is checked against the base's stored word); every step verifies
+    (each chunk's CRC and the tensors' digests) and loads exactly."""
     from torch_optional import require_torch
 
     from lean_store import writing
@@ -106,7 +121,7 @@ def test_incremental_step_skips_the_crc_pass_of_linked_chunks(tmp_path, monkeypa
     monkeypatch.undo()
     weight = 1024 * 1024 * 4
     assert ck.last_save_stats.linked_bytes >= weight  # the unchanged first layer
-    assert sum(n for n in passes if n >= 1 << 20) == weight  # only the changed layer's chunks
+    assert sum(n for n in passes if n >= 1 << 20) == 2 * weight  # each layer's chunk once
     assert ls.verify(path).ok and ls.verify(ck.path(0)).ok
     got = ls.load_state(path)
     for name, value in model.state_dict().items():

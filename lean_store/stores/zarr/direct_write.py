@@ -168,10 +168,11 @@ class DirectWriter:
         self._made: set[str] = set()
 
     @property
-    def defers_crc(self) -> bool:
-        """An incremental step's uncompressed unsharded chunks: a chunk file linked to the
-        previous step's takes that file's CRC-32C word (its bytes compared equal) instead of
-        a pass over the chunk (:attr:`lean_store.stores.base.TensorWriter.defers_crc`)."""
+    def links_units(self) -> bool:
+        """An incremental step's uncompressed unsharded chunks: compared with the previous
+        step's file while their CRC-32C is computed on a worker; the file is linked when its
+        bytes and its stored CRC word equal ours
+        (:attr:`lean_store.stores.base.TensorWriter.links_units`)."""
         return self._linker is not None and self._blosc is None and self._shards is None
 
     def write(self, region: Region, data: np.ndarray, crc: Any = None) -> int | None:
@@ -181,7 +182,7 @@ class DirectWriter:
         ``crc``: the CRC-32C of ``data`` when the caller has it (an int, or a callable giving
         it once computed): an unsharded uncompressed chunk then takes it instead of a second
         pass over its bytes. Returns the chunk's CRC-32C when its file was linked to an equal
-        one of the previous step without calling ``crc`` (see :attr:`defers_crc`)."""
+        one of the previous step (see :attr:`links_units`)."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         key, path = self._unit_path(region)
         pieces: list[Any] = []
@@ -195,7 +196,7 @@ class DirectWriter:
                 pad = self._chunk_nbytes - flat.size  # an edge chunk: zarr pads it with 0
                 if not pad:
                     pieces += [flat, self._crc_piece(0, crc)]
-                    word = self._put(path, key, pieces)  # the base's word, for a lazy crc
+                    word = self._put(path, key, pieces)  # the linked file's word (checked)
                     return None if word is None else int.from_bytes(word, "little")
                 pieces += [flat, np.zeros(pad, np.uint8), self._crc_piece(pad, crc)]
             else:
@@ -312,7 +313,7 @@ class DirectWriter:
         in order, with one open and ``writev`` calls. A callable piece (a chunk's CRC-32C word
         still being computed on another thread) is resolved once the pieces before it are out.
         Returns what the previous step's file holds in place of the callable piece when the
-        file was linked without calling it."""
+        file was linked (equal to the callable's value: the linker checks it)."""
         if self._linker is not None:
             return self._linker.link_or_write(Path(path), key, pieces)
         fd = os.open(path, _O_CREATE, 0o666)

@@ -4,7 +4,8 @@
 usual atomic commit, but with a *base*: the previous committed step. For every write unit (one
 shard file, or one chunk file when the array is not sharded) the writer compares what it would
 write with the base's file at the same key, first by the CRC-32C words the file holds (a few
-bytes read), then byte for byte; when both match it makes a hard link to the base's file in the
+bytes read), then byte for byte, then the words of the chunks whose CRC was being computed
+meanwhile; when all match it makes a hard link to the base's file in the
 new step's temporary directory instead of writing it. Everything else, including every
 ``zarr.json``, is written as usual.
 
@@ -244,9 +245,9 @@ class UnitLinker:
     def link_or_write(self, path: Path, key: str, pieces: list[Any]) -> bytes | None:
         """Create ``path`` (absent) holding ``pieces`` in order: as a hard link to the base's
         file at ``key`` when that holds exactly these bytes, else by writing them. A piece
-        may be a callable giving its bytes (a chunk's CRC-32C word, computed only when
-        asked): it is called only if the file is written. A linked file's word at that place
-        is returned instead (the CRC of the bytes compared equal: no pass over them)."""
+        may be a callable giving its bytes (a chunk's CRC-32C word, being computed on the CRC
+        workers): it is asked for once the other bytes compared equal, and the base's word
+        must equal it. A linked file's word at that place is returned (the same value)."""
         base = self._base_dir / key
         same, word = _same_bytes(base, pieces)
         if same:
@@ -334,12 +335,14 @@ def _size(piece: Any) -> int:
 
 def _same_bytes(base: Path, pieces: list[Any]) -> tuple[bool, bytes | None]:
     """(whether the file ``base`` holds ``pieces`` concatenated, what it holds in place of
-    a callable piece). A callable piece is a chunk's CRC-32C word not computed yet: it is
-    never called; the file's word there is the CRC of the bytes before it, which are
-    compared with ours byte for byte. The CRC-32C words already known (pieces of 4 bytes:
-    each chunk's crc32c, the shard index's) are compared first, so a changed unit costs a
-    few small reads; then every byte (:func:`_file_holds`). Only a regular file, reached
-    through no link at its own name, can hold them."""
+    a callable piece). A callable piece is a chunk's CRC-32C word being computed on the CRC
+    workers while the bytes are compared: it is called last, only when every other byte
+    matched, and the file's word must equal it (a base whose data bytes are intact but
+    whose stored word is damaged is not linked: the new step would carry the wrong word).
+    The CRC-32C words already known (pieces of 4 bytes: each chunk's crc32c, the shard
+    index's) are compared first, so a changed unit costs a few small reads; then every byte
+    (:func:`_file_holds`). Only a regular file, reached through no link at its own name, can
+    hold them."""
     try:
         fd = os.open(base, _O_FILE)
     except OSError:  # missing, or a symbolic link
@@ -365,7 +368,7 @@ def _same_bytes(base: Path, pieces: list[Any]) -> tuple[bool, bytes | None]:
             if not _file_holds(fd, offset, np.frombuffer(memoryview(piece).cast("B"), np.uint8)):
                 return False, None
         words = [os.pread(fd, _CRC_BYTES, o) for o, p in zip(offsets, pieces) if callable(p)]
-        if any(len(w) != _CRC_BYTES for w in words):
+        if words != [bytes(p()) for p in pieces if callable(p)]:
             return False, None
         return True, words[-1] if words else None
     except (OSError, ValueError):

@@ -227,8 +227,8 @@ class ZarrTensorWriter(TensorWriter):
         self._unit = unit
 
     @property
-    def defers_crc(self) -> bool:  # type: ignore[override]
-        return self._direct is not None and self._direct.defers_crc
+    def links_units(self) -> bool:  # type: ignore[override]
+        return self._direct is not None and self._direct.links_units
 
     def write(self, region: Region, bits: np.ndarray, crc: Any = None) -> int | None:
         data = np.ascontiguousarray(bits)
