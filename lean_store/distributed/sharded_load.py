@@ -33,6 +33,7 @@ from ..integrity import crc32c_update
 from ..stores.hdf5.sharded import deferred_source_checks
 from .collective import Collective, stage
 from .dtensor_blocks import check_target_cover
+from .gc_pause import collection_paused
 from .local_state import Piece, layout_of, local_pieces, strided_boxes
 from .shard_spec import Box, reads_for
 
@@ -121,7 +122,14 @@ def load(
     strict_order: bool = False,
 ) -> Any:
     """Load into this rank's shards of ``target`` (all ranks of the group must call this);
-    tensors match by name, and ``strict_order=True`` also requires ``target``'s order."""
+    tensors match by name, and ``strict_order=True`` also requires ``target``'s order.
+    Python's cyclic collector is paused meanwhile (:mod:`.gc_pause`)."""
+    with collection_paused():
+        return _load(target, path, process_group, strict, verify, block_bytes, strict_order)
+
+
+def _load(target: Any, path: Any, process_group: Any, strict: bool, verify: bool,
+          block_bytes: int, strict_order: bool) -> Any:
     from ..checkpoint import Checkpoint, LoadResult, warn_skipped
 
     comm = Collective(process_group)
