@@ -33,6 +33,7 @@ from ..integrity import crc32c_update
 from ..stores.hdf5.sharded import deferred_source_checks
 from .collective import Collective, stage
 from .dtensor_blocks import check_target_cover
+from .gc_pause import collection_paused
 from .local_state import Piece, layout_of, local_pieces, strided_boxes
 from .shard_spec import Box, reads_for
 
@@ -74,9 +75,14 @@ def _verify_units(ck: Checkpoint, names: list[str]) -> tuple[list[Unit], list[in
 
 
 def _holds(outer: Box | None, inner: Box) -> bool:
-    return outer is not None and all(
-        o <= i and i + n <= o + m
-        for o, m, i, n in zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths))
+    """``inner`` lies inside ``outer``. (One loop: a sharded load asks this thousands of
+    times, for every unit and rank.)"""
+    if outer is None:
+        return False
+    for o, m, i, n in zip(outer.offsets, outer.lengths, inner.offsets, inner.lengths):
+        if i < o or i + n > o + m:
+            return False
+    return True
 
 
 def assign_verifiers(units: list[Unit], itemsizes: dict[str, int],
@@ -121,7 +127,14 @@ def load(
     strict_order: bool = False,
 ) -> Any:
     """Load into this rank's shards of ``target`` (all ranks of the group must call this);
-    tensors match by name, and ``strict_order=True`` also requires ``target``'s order."""
+    tensors match by name, and ``strict_order=True`` also requires ``target``'s order.
+    Python's cyclic collector is paused meanwhile (:mod:`.gc_pause`)."""
+    with collection_paused():
+        return _load(target, path, process_group, strict, verify, block_bytes, strict_order)
+
+
+def _load(target: Any, path: Any, process_group: Any, strict: bool, verify: bool,
+          block_bytes: int, strict_order: bool) -> Any:
     from ..checkpoint import Checkpoint, LoadResult, warn_skipped
 
     comm = Collective(process_group)
@@ -194,7 +207,8 @@ def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
     holders = holders if holders is not None else [{} for _ in range(comm.size)]
     itemsizes = {n: ck.layout[n].format.storage_dtype.itemsize
                  * ck.layout[n].format.words_per_value for n in names}
-    writers = [None if k is None else ck.shards(name)[k].rank for name, k, _box in units]
+    recorded = {n: ck.shards(n) for n in names}  # each tensor's list copied once, not per unit
+    writers = [None if k is None else recorded[name][k].rank for name, k, _box in units]
     ranks = assign_verifiers(units, itemsizes, holders, writers)
     mine = holders[comm.rank]
     sent = sent_units(units, ranks, itemsizes, holders)
@@ -239,7 +253,7 @@ def verify_shards(ck: Checkpoint, names: list[str], comm: Collective,
         if k is not None:
             ck.checked_elsewhere(name, k)
         if i in sent and k is not None and _holds(mine.get(name), box):
-            kept[name, box] = received_blocks(ck, name, ck.shards(name)[k], st.shared[rank][str(i)])
+            kept[name, box] = received_blocks(ck, name, recorded[name][k], st.shared[rank][str(i)])
     return kept
 
 

@@ -297,30 +297,31 @@ class ShardedHDF5Reader(HDF5Reader):
             return
         assert self._master is not None
         record = self._master[node]
-        ds = self._dataset(node)
-        dcpl = ds.id.get_create_plist()
+        dsid = self._dsid(node)  # low-level ids only: this runs for every master dataset
+        dcpl = dsid.get_create_plist()
         if dcpl.get_layout() != h5d.VIRTUAL:
             problems = ["it is not a virtual dataset"]
         else:
             names = list(record.attrs)
             expected = [encode_attr(k, v) for k, v in record.attrs.items()]
-            messages = self._headers.attribute_messages(ds.id, len(expected))
+            messages = self._headers.attribute_messages(dsid, len(expected))
             if header_match(messages, expected):  # as written, from the header's bytes
                 attrs = dict(record.attrs)
-            elif attrs_match(ds.id, expected):  # exactly as written: no decoding
+            elif attrs_match(dsid, expected):  # exactly as written: no decoding
                 learn_header(messages, expected)
                 attrs = dict(record.attrs)
             else:
                 try:
-                    attrs = read_attrs(ds.id, repr(node), names)
+                    attrs = read_attrs(dsid, repr(node), names)
                 except IntegrityError:  # not the attributes written: read whatever is there
-                    attrs = read_attrs(ds.id, repr(node))
+                    attrs = read_attrs(dsid, repr(node))
+            shape = tuple(dsid.shape)
             try:
-                mappings = self._mappings(node, dcpl, tuple(ds.shape))
+                mappings = self._mappings(node, dcpl, shape)
             except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
                 raise IntegrityError(f"{node!r}: unreadable virtual dataset ({exc})") from None
-            problems = master_differences(record, attrs, tuple(ds.shape), mappings)
-        ftype = ds.id.get_type()
+            problems = master_differences(record, attrs, shape, mappings)
+        ftype = dsid.get_type()
         fmt = self._expected_types.get(node)
         if fmt is not None and ftype != hdf5_type(fmt):
             problems.append(f"HDF5 datatype does not encode {fmt.tag}")
