@@ -577,6 +577,14 @@ def expected_with_casts(
     return Layout.from_specs(specs)
 
 
+def _read_all(ck: Checkpoint, names: list[str], read: Callable[[str], T]) -> dict[str, T]:
+    """``{name: read(name)}``: a tensor read, checked and decompressed while the next one is
+    (:mod:`lean_store.read_ahead`); a remote store's reads stay on this thread."""
+    if "://" in str(ck.path):
+        return {name: read(name) for name in names}
+    return read_all(names, read, total_bytes=sum(ck.layout[n].nbytes for n in names))
+
+
 def _convert(words: np.ndarray, src: ScalarFormat, dst: ScalarFormat) -> np.ndarray:
     if src is dst or src == dst:  # standard formats are one object each: no field compare
         return words
@@ -617,14 +625,14 @@ def load(
         names = [n for n in expected.names() if n in ck.layout]
         kept: dict[str, tuple[Region, np.ndarray]] = {}
         if verify:  # every chunk and digest checked before the target changes at all
-            room = KEPT_VERIFIED_BYTES
+            room, keep = KEPT_VERIFIED_BYTES, []
             for name in names:
                 nbytes = ck.layout[name].nbytes
                 if nbytes <= room:  # checked words kept for the install: no second read
-                    kept[name] = ck.verified_words(name)
+                    keep.append(name)
                     room -= nbytes
-                else:
-                    ck.verify([name])
+            kept = _read_all(ck, keep, ck.verified_words)
+            ck.verify([name for name in names if name not in kept])
         total = sum(ck.layout[n].nbytes for n in names)
         with make_progress(progress, f"load {Path(str(path)).name}", total) as bar:
             for name in names:
@@ -737,11 +745,7 @@ def _state_of(
     def words_of(name: str) -> np.ndarray:
         return _convert(ck.read_bits(name), ck.layout[name].format, wanted[name])
 
-    names = list(wanted)
-    if "://" in str(ck.path):  # a remote store: reads stay on this thread
-        read = {name: words_of(name) for name in names}
-    else:  # a tensor read, checked and decompressed while the next one is (read_ahead.py)
-        read = read_all(names, words_of, total_bytes=sum(ck.layout[n].nbytes for n in names))
+    read = _read_all(ck, list(wanted), words_of)
     out: dict[str, Any] = {}
     for name, fmt in wanted.items():
         entry = ck.layout[name]

@@ -160,3 +160,61 @@ def test_read_all_small_loads_stay_on_the_calling_thread():
                               total_bytes=read_ahead.READ_AHEAD_MIN_BYTES - 1)
     assert got == {"a": "aa", "b": "bb", "c": "cc"}
     assert threads == {threading.get_ident()}
+
+
+def _on_both_threads_verified(monkeypatch, before_read=None) -> dict[str, int]:
+    """As :func:`_on_both_threads`, for ``ls.load``'s verified reads."""
+    verified_words = Checkpoint.verified_words
+    readers: dict[str, int] = {}
+    meet = threading.Barrier(2, timeout=WAIT)
+
+    def spy(self, name):
+        readers[name] = threading.get_ident()
+        if len(readers) <= 2:
+            meet.wait()
+        if before_read is not None and threading.current_thread() is not threading.main_thread():
+            before_read(self, name)
+        return verified_words(self, name)
+
+    monkeypatch.setattr(Checkpoint, "verified_words", spy)
+    return readers
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_into_target_reads_on_two_threads(tmp_path, monkeypatch, backend):
+    torch = pytest.importorskip("torch")
+    path = tmp_path / f"s{SUFFIX[backend]}"
+    gen = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(256, 512, generator=gen).to(dtype)
+             for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16,
+                                        torch.float32])}
+    ls.save(state, path, compression="weights")
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    readers = _on_both_threads_verified(monkeypatch)
+    ls.load(target, path)
+    assert len(set(readers.values())) == 2
+    for k, v in state.items():
+        assert torch.equal(target[k].view(torch.int16 if v.element_size() == 2 else torch.int32),
+                           v.view(torch.int16 if v.element_size() == 2 else torch.int32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_load_into_target_damage_on_the_worker_changes_nothing(tmp_path, monkeypatch, backend):
+    torch = pytest.importorskip("torch")
+    path = tmp_path / f"s{SUFFIX[backend]}"
+    gen = torch.Generator().manual_seed(4)
+    state = {f"w{i}": torch.randn(256, 512, generator=gen) for i in range(4)}
+    ls.save(state, path, compression="weights")
+    target = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+    damaged: list[str] = []
+
+    def damage(ck: Checkpoint, name: str) -> None:
+        if not damaged:
+            damaged.append(name)
+            _damage(path, backend, ck, name)
+
+    _on_both_threads_verified(monkeypatch, damage)
+    with pytest.raises(IntegrityError) as err:
+        ls.load(target, path)
+    assert damaged and repr(damaged[0]) in str(err.value)
+    assert all(bool((t == 7.0).all()) for t in target.values())  # nothing installed
