@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +31,7 @@ from .integrity import crc32c_combine, crc32c_update
 from .layout import Difference, Entry, Layout, layout_error, stored_rank_shape
 from .metadata import check_stored, parse_root
 from .progress import make_progress
+from .read_ahead import read_all
 from .sources import TargetTensor, tensor_source, tensor_targets
 from .stores.base import ChunkProblem, Selection, StorageDescription, StoredTensor
 from .stores.registry import open_reader
@@ -37,6 +39,7 @@ from .writing import OVERLAP_CRC_BYTES
 
 OPEN_ATTEMPTS = 3
 KEPT_VERIFIED_BYTES = 64 << 20
+_CHECKER_LOCK = threading.Lock()
 """``load`` keeps the words its verify pass read, tensor by tensor while they fit in this many
 bytes in all, and installs them without reading them again (small tensors' second read is
 most of their cost); the other tensors are read again at install, as before."""
@@ -494,9 +497,10 @@ class Checkpoint(Mapping[str, TensorHandle]):
             on_error(None, error)
 
     def _checker(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lean_store-crc-read")
-        return self._pool
+        with _CHECKER_LOCK:  # loads read tensors on two threads (read_ahead.py)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="lean_store-crc-read")
+            return self._pool
 
     def close(self) -> None:
         if self._pool is not None:
@@ -573,6 +577,14 @@ def expected_with_casts(
     return Layout.from_specs(specs)
 
 
+def _read_all(ck: Checkpoint, names: list[str], read: Callable[[str], T]) -> dict[str, T]:
+    """``{name: read(name)}``: a tensor read, checked and decompressed while the next one is
+    (:mod:`lean_store.read_ahead`); a remote store's reads stay on this thread."""
+    if "://" in str(ck.path):
+        return {name: read(name) for name in names}
+    return read_all(names, read, total_bytes=sum(ck.layout[n].nbytes for n in names))
+
+
 def _convert(words: np.ndarray, src: ScalarFormat, dst: ScalarFormat) -> np.ndarray:
     if src is dst or src == dst:  # standard formats are one object each: no field compare
         return words
@@ -613,14 +625,14 @@ def load(
         names = [n for n in expected.names() if n in ck.layout]
         kept: dict[str, tuple[Region, np.ndarray]] = {}
         if verify:  # every chunk and digest checked before the target changes at all
-            room = KEPT_VERIFIED_BYTES
+            room, keep = KEPT_VERIFIED_BYTES, []
             for name in names:
                 nbytes = ck.layout[name].nbytes
                 if nbytes <= room:  # checked words kept for the install: no second read
-                    kept[name] = ck.verified_words(name)
+                    keep.append(name)
                     room -= nbytes
-                else:
-                    ck.verify([name])
+            kept = _read_all(ck, keep, ck.verified_words)
+            ck.verify([name for name in names if name not in kept])
         total = sum(ck.layout[n].nbytes for n in names)
         with make_progress(progress, f"load {Path(str(path)).name}", total) as bar:
             for name in names:
@@ -730,10 +742,14 @@ def _state_of(
         if any(n not in ck.layout for n in casts):
             raise CheckpointError(f"cast names tensors the checkpoint lacks: {list(casts)}")
         wanted = {e.name: casts.get(e.name, e.format) for e in ck.layout}
+    def words_of(name: str) -> np.ndarray:
+        return _convert(ck.read_bits(name), ck.layout[name].format, wanted[name])
+
+    read = _read_all(ck, list(wanted), words_of)
     out: dict[str, Any] = {}
     for name, fmt in wanted.items():
         entry = ck.layout[name]
-        words = _convert(ck.read_bits(name), entry.format, fmt)
+        words = read.pop(name)
         if name in devices:
             from .sources.torch_source import new_tensor
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import lean_store as ls
+from lean_store import read_ahead
 from lean_store.integrity import crc_workers
 from lean_store.stores.hdf5 import store as hdf5_store
 
@@ -53,6 +54,8 @@ def _save(tmp_path: Path) -> Path:
 
 def test_halves_read_on_two_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _save(tmp_path)
+    # the tensors on this thread alone, not also the read-ahead worker's (read_ahead.py)
+    monkeypatch.setattr(read_ahead, "READ_AHEAD_MIN_BYTES", 1 << 62)
     reads = _Reads(monkeypatch)
     loaded = ls.load_state(path)
     for name, value in STATE.items():
@@ -82,6 +85,7 @@ def test_damage_in_either_half_is_caught(tmp_path: Path, where: int) -> None:
 
 def test_failed_read_on_the_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _save(tmp_path)
+    monkeypatch.setattr(read_ahead, "READ_AHEAD_MIN_BYTES", 1 << 62)  # as above
     _Reads(monkeypatch, fail_on_worker=True)
     with pytest.raises(ls.IntegrityError, match="injected"):
         ls.load_state(path)
@@ -101,6 +105,7 @@ def test_busy_workers_are_not_waited_for(tmp_path: Path, monkeypatch: pytest.Mon
     """With both workers busy (a save's units, say), the caller reads the second half itself
     rather than waiting for them."""
     path = _save(tmp_path)
+    monkeypatch.setattr(read_ahead, "READ_AHEAD_MIN_BYTES", 1 << 62)  # as above
     release = threading.Event()
     started = threading.Barrier(3)
 
