@@ -27,11 +27,16 @@ STATE = {
 
 
 class _Reads:
-    """Which threads read how many bytes through ``_pread_into``."""
+    """Which threads read how many bytes through ``_pread_into``. With ``wait_for_worker``
+    the calling thread's k-th first half waits until a worker has started its k-th second
+    half (else, by design, a caller done first reads the second half itself: the counts
+    would depend on timing)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_on_worker: bool = False) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_on_worker: bool = False,
+                 wait_for_worker: bool = False) -> None:
         self.by_thread: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        started = [0, 0]  # second halves started on a worker, first halves on the caller
         real = hdf5_store.HDF5Reader._pread_into
 
         def pread_into(reader: Any, node: str, coords: Any, flat: np.ndarray,
@@ -39,6 +44,13 @@ class _Reads:
             name = threading.current_thread().name
             with self._lock:
                 self.by_thread[name] = self.by_thread.get(name, 0) + flat.nbytes
+                if wait_for_worker and flat.nbytes >= hdf5_store.SPLIT_READ_BYTES // 4:
+                    if name == "MainThread":
+                        started[1] += 1
+                        assert self._lock.wait_for(lambda: started[0] >= started[1], 30)
+                    else:
+                        started[0] += 1
+                        self._lock.notify_all()
             if fail_on_worker and name != "MainThread":
                 raise ls.IntegrityError(f"tensor {node!r}: chunk {coords} unreadable (injected)")
             real(reader, node, coords, flat, offset)
@@ -56,7 +68,7 @@ def test_halves_read_on_two_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     path = _save(tmp_path)
     # the tensors on this thread alone, not also the read-ahead worker's (read_ahead.py)
     monkeypatch.setattr(read_ahead, "READ_AHEAD_MIN_BYTES", 1 << 62)
-    reads = _Reads(monkeypatch)
+    reads = _Reads(monkeypatch, wait_for_worker=True)
     loaded = ls.load_state(path)
     for name, value in STATE.items():
         assert loaded[name].tobytes() == value.tobytes(), name
