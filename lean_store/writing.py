@@ -92,7 +92,7 @@ def write_source(
                     bar.advance(bits.nbytes)
                 # units of host memory: the file written and its CRC-32C computed on a
                 # worker while the next units are prepared (and written, on the other worker)
-                if stable and bits.nbytes >= OVERLAP_CRC_BYTES and not sink.links_units:
+                if stable and bits.nbytes >= OVERLAP_CRC_BYTES:
                     order.make_room(bits.nbytes)
                     later = sink.write_later(region, bits, _submitter(crc_pool))
                     if later is not None:

@@ -42,7 +42,7 @@ import numpy as np
 from numcodecs import blosc
 
 from ...chunking import Region
-from ...integrity import crc32c_combine
+from ...integrity import crc32c_combine, crc32c_of
 from ..ordered_pool import OrderedPool
 from . import shard_index
 from .compat import BLOSC_SHUFFLES, chunk_key, codec_documents, plain_codecs, sharding_document
@@ -223,12 +223,24 @@ class DirectWriter:
         ``submit(fn, *args)`` runs ``fn(*args)`` there (a thread pool's ``submit``). The
         future gives the CRC-32C of ``data``, which must stay unchanged until it is done. The
         file's bytes are those :meth:`write` writes; its folders are made here, on the
-        caller's thread. None where units go through :meth:`write` only (compressed chunks,
-        incremental steps)."""
-        if self._blosc is not None or self._linker is not None:
+        caller's thread. In an incremental step the worker compares the unit with the
+        previous step's file and links or writes it (:meth:`write`). None where units go
+        through :meth:`write` only (compressed chunks)."""
+        if self._blosc is not None:
             return None
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        return submit(self._write_plain, self._unit_path(region)[1], flat)
+        path = self._unit_path(region)[1]
+        if self._linker is not None:
+            return submit(self._link_or_write, region, flat)
+        return submit(self._write_plain, path, flat)
+
+    def _link_or_write(self, region: Region, flat: np.ndarray) -> int:
+        """The unit ``region`` of an incremental step, on a worker: its CRC-32C, then
+        :meth:`write` (linked to the previous step's equal file, else written). Returns the
+        CRC-32C of ``flat``."""
+        crc = crc32c_of(flat)
+        self.write(region, flat, crc)
+        return crc
 
     def _write_plain(self, path: str, flat: np.ndarray) -> int:
         """The file of an uncompressed unit ``flat``: each chunk's CRC-32C computed just

@@ -231,6 +231,9 @@ def _metadata(array_dir: Path) -> dict[str, Any] | None:
     return meta
 
 
+_STATS_LOCK = threading.Lock()
+
+
 class UnitLinker:
     """Links one array's unit files to the base's identical files."""
 
@@ -252,8 +255,9 @@ class UnitLinker:
         same, word = _same_bytes(base, pieces)
         if same:
             os.link(base, path)
-            self.stats.linked_files += 1
-            self.stats.linked_bytes += sum(_size(p) for p in pieces)
+            with _STATS_LOCK:  # units may be linked on two workers at once
+                self.stats.linked_files += 1
+                self.stats.linked_bytes += sum(_size(p) for p in pieces)
             return word
         size = 0
         with open(path, "xb") as f:  # never into an existing file (it may be a link)
@@ -262,8 +266,9 @@ class UnitLinker:
             if self._writeback:
                 f.flush()
                 _start_writeback(f.fileno())
-        self.stats.written_files += 1
-        self.stats.written_bytes += size
+        with _STATS_LOCK:
+            self.stats.written_files += 1
+            self.stats.written_bytes += size
         return None
 
     def link_if_same(self, key: str) -> None:
@@ -278,11 +283,13 @@ class UnitLinker:
                 tmp = path.with_name(f".{path.name}.link")
                 os.link(base, tmp)
                 os.replace(tmp, path)
-                self.stats.linked_files += 1
-                self.stats.linked_bytes += size
+                with _STATS_LOCK:
+                    self.stats.linked_files += 1
+                    self.stats.linked_bytes += size
                 return
-        self.stats.written_files += 1
-        self.stats.written_bytes += size
+        with _STATS_LOCK:
+            self.stats.written_files += 1
+            self.stats.written_bytes += size
 
 
 def _libc_memcmp() -> Any:
