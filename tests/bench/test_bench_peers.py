@@ -23,6 +23,7 @@ def test_quick_run_prints_every_peer(tmp_path: Path) -> None:
         assert f"| tiny | 100 | 0.0 | {peer} |" in out, out
         assert f"  {peer}: " in out  # its fitted per-tensor cost line
     assert "fitted per-tensor cost" in out
+    assert "allocator: MALLOC_MMAP_THRESHOLD_=33554432" in out  # re-executed with it
     assert list(tmp_path.iterdir()) == []  # every file removed
 
 

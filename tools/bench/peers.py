@@ -22,6 +22,7 @@ against tensor count over the workloads run (with a per-byte term when there are
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -222,6 +223,14 @@ def report(states: dict[str, dict[str, np.ndarray]],
     return "\n".join(lines)
 
 
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
+"""glibc allocator settings the benchmark re-executes itself with (unless ``--malloc-as-is``).
+With glibc's default, the mmap threshold moves with what was freed last, so one peer's
+allocations decide whether the next peer's new arrays take fresh zeroed pages (page faults)
+or reused heap: safetensors' numpy load of the same resnet50 file took 0.03 or 0.09 s
+depending on the peer run before it. Fixed, every peer reuses heap pages alike."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, one round")
@@ -230,7 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", action="append",
                         choices=["resnet50", "llm", "tiny", "big", "sharded"])
     parser.add_argument("--peer", action="append", choices=list(PEERS))
+    parser.add_argument("--malloc-as-is", action="store_true",
+                        help="keep glibc's dynamic mmap threshold (see FIXED_MALLOC)")
     args = parser.parse_args(argv)
+    if argv is None and not args.malloc_as_is and any(
+            os.environ.get(k) != v for k, v in FIXED_MALLOC.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **FIXED_MALLOC})
+    print("allocator: " + (" ".join(f"{k}={os.environ[k]}" for k in FIXED_MALLOC
+                                    if k in os.environ) or "glibc's defaults"))
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     states = workloads(args.quick)
     if args.workload:
