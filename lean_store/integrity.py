@@ -6,14 +6,14 @@ and folded into each tensor's whole-tensor digest with :func:`crc32c_combine`.
 
 from __future__ import annotations
 
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
 import google_crc32c
 import numpy as np
+
+from .shared_threads import SharedThreads
 
 
 def crc32c_of(bits: Any, crc: int = 0) -> int:
@@ -74,26 +74,15 @@ def crc32c_update(crc: int, bits: np.ndarray) -> int:
     return crc32c_of(bits, crc)
 
 
-_WORKERS: ThreadPoolExecutor | None = None
-_WORKERS_LOCK = threading.Lock()
+_CRC_WORKERS = SharedThreads(2, "lean_store-crc")
 
 
 def crc_workers() -> ThreadPoolExecutor:
     """The two threads every save and load of the process shares for CRC-32C passes and the
-    reads and writes that go with them: started once per process, not once per save (a
-    thread start waits for the new thread to be scheduled: milliseconds on a busy machine)."""
-    global _WORKERS
-    with _WORKERS_LOCK:
-        if _WORKERS is None:
-            _WORKERS = ThreadPoolExecutor(2, thread_name_prefix="lean_store-crc")
-        return _WORKERS
+    reads and writes that go with them (started once per process, not once per save)."""
+    return _CRC_WORKERS.get()
 
 
 def forget_crc_workers() -> None:
     """In a forked child the parent's worker threads do not exist: start afresh."""
-    global _WORKERS, _WORKERS_LOCK
-    _WORKERS, _WORKERS_LOCK = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=forget_crc_workers)
+    _CRC_WORKERS.forget()

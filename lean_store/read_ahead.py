@@ -17,40 +17,25 @@ them anyway) and each thread's scratch for one chunk.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
+
+from .shared_threads import SharedThreads
 
 T = TypeVar("T")
 
 READ_AHEAD_MIN_BYTES = 1 << 20
 """Loads of fewer bytes read on the calling thread alone: a hand-off costs more than it wins."""
 
-_WORKER: ThreadPoolExecutor | None = None
-_WORKER_LOCK = threading.Lock()
+_READ_AHEAD = SharedThreads(1, "lean_store-read-ahead")
 
 
 def read_ahead_worker() -> ThreadPoolExecutor:
-    """The one read-ahead thread the process's loads share (started at first use: a thread
-    start waits to be scheduled, milliseconds on a busy machine). Not one of
-    :func:`lean_store.integrity.crc_workers`: a read may itself wait on those."""
-    global _WORKER
-    with _WORKER_LOCK:
-        if _WORKER is None:
-            _WORKER = ThreadPoolExecutor(1, thread_name_prefix="lean_store-read-ahead")
-        return _WORKER
-
-
-def _forget_worker() -> None:
-    """In a forked child the parent's worker thread does not exist: start afresh."""
-    global _WORKER, _WORKER_LOCK
-    _WORKER, _WORKER_LOCK = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_worker)
+    """The one read-ahead thread the process's loads share (started at first use). Not one
+    of :func:`lean_store.integrity.crc_workers`: a read may itself wait on those."""
+    return _READ_AHEAD.get()
 
 
 def read_all(names: Sequence[str], read: Callable[[str], T], *, total_bytes: int

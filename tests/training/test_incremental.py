@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -28,17 +27,6 @@ torch = require_torch()  # Checkpointer steps hold a torch model
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-@pytest.fixture
-def scratch(tmp_path):
-    """tmpfs when there is one (fsync is free there; hard links work as on disk)."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        path = Path(tempfile.mkdtemp(prefix="lean_store-incr-", dir=shm))
-        yield path
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        yield tmp_path
 
 
 def _frozen_model() -> torch.nn.Module:

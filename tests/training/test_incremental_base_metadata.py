@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +22,6 @@ from lean_store.stores.zarr import incremental
 
 torch = require_torch()
 
-
-@pytest.fixture
-def scratch(tmp_path):
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        path = Path(tempfile.mkdtemp(prefix="lean_store-incr-meta-", dir=shm))
-        yield path
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        yield tmp_path
 
 
 def _model() -> torch.nn.Module:
