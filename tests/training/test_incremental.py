@@ -28,7 +28,6 @@ torch = require_torch()  # Checkpointer steps hold a torch model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
 def _frozen_model() -> torch.nn.Module:
     """~90 % of the parameters frozen: a frozen 96x96 'backbone' and a trainable 32x32 head."""
     torch.manual_seed(0)
