@@ -1,7 +1,7 @@
 """How an incremental step decides a unit file is unchanged: the CRC-32C words, then every
 byte against the base's file (read in bounded windows); a chunk's CRC comes from the save's own
-pass over its bytes (no second pass in the Zarr writer), or, for a chunk linked to an equal
-file, from that file (no pass at all)."""
+pass over its bytes (no second pass in the Zarr writer), and a linked file's stored word must
+equal it."""
 
 from __future__ import annotations
 
@@ -155,3 +155,29 @@ def test_a_base_file_truncated_while_compared_is_a_difference(tmp_path, monkeypa
     assert not os.path.samefile(new / "c0", base / "c0")
     assert (new / "c0").read_bytes() == data + _word(data)
     assert unit.stats.written_files == 1 and unit.stats.linked_files == 0
+
+
+def test_a_base_file_replaced_after_the_comparison_is_not_the_one_linked(linker, tmp_path,
+                                                                         monkeypatch):
+    """Another process puts a different file at the base's name once the bytes compared
+    equal: the link is made to the file compared (through its open descriptor), never to
+    the one now at that name."""
+    from lean_store.stores.zarr import incremental
+
+    unit, data = linker
+    compared = os.stat(tmp_path / "base" / "c0").st_ino
+    real = incremental._link_open
+
+    def replace_then_link(fd, base, link_to):
+        other = tmp_path / "other"
+        other.write_bytes(bytes(len(data)) + _word(bytes(len(data))))
+        os.replace(other, base)  # the name now holds other bytes
+        return real(fd, base, link_to)
+
+    monkeypatch.setattr(incremental, "_link_open", replace_then_link)
+    unit.link_or_write(tmp_path / "new" / "c0", "c0", [np.frombuffer(data, np.uint8),
+                                                       _word(data)])
+    got = tmp_path / "new" / "c0"
+    assert got.read_bytes() == data + _word(data)  # the compared bytes, linked or written
+    if incremental._ROOT_FD is not None:  # Linux: linked through /proc/self/fd
+        assert unit.stats.linked_files == 1 and os.stat(got).st_ino == compared

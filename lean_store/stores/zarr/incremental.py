@@ -252,9 +252,8 @@ class UnitLinker:
         workers): it is asked for once the other bytes compared equal, and the base's word
         must equal it. A linked file's word at that place is returned (the same value)."""
         base = self._base_dir / key
-        same, word = _same_bytes(base, pieces)
+        same, word = _same_bytes(base, pieces, link_to=path)
         if same:
-            os.link(base, path)
             with _STATS_LOCK:  # units may be linked on two workers at once
                 self.stats.linked_files += 1
                 self.stats.linked_bytes += sum(_size(p) for p in pieces)
@@ -279,9 +278,9 @@ class UnitLinker:
         base = self._base_dir / key
         if size >= _CRC_BYTES:
             data = np.fromfile(path, dtype=np.uint8)
-            if _same_bytes(base, [data[: size - _CRC_BYTES], data[size - _CRC_BYTES:]])[0]:
-                tmp = path.with_name(f".{path.name}.link")
-                os.link(base, tmp)
+            tmp = path.with_name(f".{path.name}.link")
+            if _same_bytes(base, [data[: size - _CRC_BYTES], data[size - _CRC_BYTES:]],
+                           link_to=tmp)[0]:
                 os.replace(tmp, path)
                 with _STATS_LOCK:
                     self.stats.linked_files += 1
@@ -340,7 +339,8 @@ def _size(piece: Any) -> int:
     return _CRC_BYTES if callable(piece) else memoryview(piece).nbytes
 
 
-def _same_bytes(base: Path, pieces: list[Any]) -> tuple[bool, bytes | None]:
+def _same_bytes(base: Path, pieces: list[Any], link_to: Path | None = None
+                ) -> tuple[bool, bytes | None]:
     """(whether the file ``base`` holds ``pieces`` concatenated, what it holds in place of
     a callable piece). A callable piece is a chunk's CRC-32C word being computed on the CRC
     workers while the bytes are compared: it is called last, only when every other byte
@@ -349,7 +349,9 @@ def _same_bytes(base: Path, pieces: list[Any]) -> tuple[bool, bytes | None]:
     The CRC-32C words already known (pieces of 4 bytes: each chunk's crc32c, the shard
     index's) are compared first, so a changed unit costs a few small reads; then every byte
     (:func:`_file_holds`). Only a regular file, reached through no link at its own name, can
-    hold them."""
+    hold them. ``link_to``: where to hard-link the file when it holds them, linked through the
+    descriptor the bytes were compared through (``/proc/self/fd``), so that a file put at
+    ``base`` by another process meanwhile is never the one linked; no link made is no match."""
     try:
         fd = os.open(base, _O_FILE)
     except OSError:  # missing, or a symbolic link
@@ -377,6 +379,8 @@ def _same_bytes(base: Path, pieces: list[Any]) -> tuple[bool, bytes | None]:
         words = [os.pread(fd, _CRC_BYTES, o) for o, p in zip(offsets, pieces) if callable(p)]
         if words != [bytes(p()) for p in pieces if callable(p)]:
             return False, None
+        if link_to is not None:
+            _link_open(fd, base, link_to)
         return True, words[-1] if words else None
     except (OSError, ValueError):
         return False, None
@@ -384,6 +388,30 @@ def _same_bytes(base: Path, pieces: list[Any]) -> tuple[bool, bytes | None]:
         os.close(fd)
 
 
+def _link_open(fd: int, base: Path, link_to: Path) -> None:
+    """Hard-link the open file ``fd`` (opened at ``base``) at ``link_to``: through
+    ``/proc/self/fd`` where there is one (``linkat`` with ``AT_SYMLINK_FOLLOW`` on that link
+    links the very file open; a failure is an ``OSError``, and the caller writes the file),
+    else by ``base``'s name."""
+    if _ROOT_FD is None:
+        os.link(base, link_to)
+        return
+    # a dir fd makes os.link call linkat (with follow_symlinks: AT_SYMLINK_FOLLOW); the
+    # source path is absolute, so which directory it is does not matter
+    os.link(f"/proc/self/fd/{fd}", link_to, src_dir_fd=_ROOT_FD, follow_symlinks=True)
+
+
+def _root_fd() -> int | None:
+    if not os.path.isdir("/proc/self/fd") or os.link not in os.supports_dir_fd:
+        return None
+    try:
+        return os.open("/", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                       | getattr(os, "O_CLOEXEC", 0))
+    except OSError:  # pragma: no cover
+        return None
+
+
+_ROOT_FD = _root_fd()
 _COMPARE_BYTES = 1 << 20
 _scratch = threading.local()
 
