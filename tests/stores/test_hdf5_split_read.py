@@ -98,7 +98,7 @@ def test_damage_in_either_half_is_caught(tmp_path: Path, where: int) -> None:
 def test_failed_read_on_the_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _save(tmp_path)
     monkeypatch.setattr(read_ahead, "READ_AHEAD_MIN_BYTES", 1 << 62)  # as above
-    _Reads(monkeypatch, fail_on_worker=True)
+    _Reads(monkeypatch, fail_on_worker=True, wait_for_worker=True)
     with pytest.raises(ls.IntegrityError, match="injected"):
         ls.load_state(path)
 
