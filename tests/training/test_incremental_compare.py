@@ -166,6 +166,7 @@ def test_a_base_file_replaced_after_the_comparison_is_not_the_one_linked(linker,
 
     unit, data = linker
     compared = os.stat(tmp_path / "base" / "c0").st_ino
+    os.link(tmp_path / "base" / "c0", tmp_path / "kept")  # the compared file outlives its name
     real = incremental._link_open
 
     def replace_then_link(fd, base, link_to):
@@ -181,3 +182,25 @@ def test_a_base_file_replaced_after_the_comparison_is_not_the_one_linked(linker,
     assert got.read_bytes() == data + _word(data)  # the compared bytes, linked or written
     if incremental._ROOT_FD is not None:  # Linux: linked through /proc/self/fd
         assert unit.stats.linked_files == 1 and os.stat(got).st_ino == compared
+
+
+def test_a_base_file_deleted_after_the_comparison_is_written(linker, tmp_path, monkeypatch):
+    """The compared file is gone (replaced, its last name removed) before the link: the
+    unit is written with the new bytes, never linked to what is at the name now."""
+    from lean_store.stores.zarr import incremental
+
+    unit, data = linker
+    real = incremental._link_open
+
+    def replace_then_link(fd, base, link_to):
+        other = tmp_path / "other"
+        other.write_bytes(bytes(len(data)) + _word(bytes(len(data))))
+        os.replace(other, base)
+        return real(fd, base, link_to)
+
+    monkeypatch.setattr(incremental, "_link_open", replace_then_link)
+    unit.link_or_write(tmp_path / "new" / "c0", "c0", [np.frombuffer(data, np.uint8),
+                                                       _word(data)])
+    got = tmp_path / "new" / "c0"
+    assert got.read_bytes() == data + _word(data)
+    assert not os.path.samefile(got, tmp_path / "base" / "c0")
