@@ -30,11 +30,12 @@ def _state() -> dict:
     return state
 
 
-def _on_both_threads(monkeypatch, before_read=None) -> dict[str, int]:
+def _on_both_threads(monkeypatch, before_read=None, method: str = "read_bits"
+                     ) -> dict[str, int]:
     """Make the first two tensors of a load go one to each thread (each waits for the other to
-    start); returns {name: thread id} as the reads happen. ``before_read(ck, name)`` runs on the
-    read-ahead worker before its read."""
-    read_bits = Checkpoint.read_bits
+    start) through ``Checkpoint.<method>``; returns {name: thread id} as the reads happen.
+    ``before_read(ck, name)`` runs on the read-ahead worker before its read."""
+    real = getattr(Checkpoint, method)
     readers: dict[str, int] = {}
     meet = threading.Barrier(2, timeout=WAIT)
 
@@ -44,9 +45,9 @@ def _on_both_threads(monkeypatch, before_read=None) -> dict[str, int]:
             meet.wait()
         if before_read is not None and threading.current_thread() is not threading.main_thread():
             before_read(self, name)
-        return read_bits(self, name)
+        return real(self, name)
 
-    monkeypatch.setattr(Checkpoint, "read_bits", spy)
+    monkeypatch.setattr(Checkpoint, method, spy)
     return readers
 
 
@@ -164,20 +165,7 @@ def test_read_all_small_loads_stay_on_the_calling_thread():
 
 def _on_both_threads_verified(monkeypatch, before_read=None) -> dict[str, int]:
     """As :func:`_on_both_threads`, for ``ls.load``'s verified reads."""
-    verified_words = Checkpoint.verified_words
-    readers: dict[str, int] = {}
-    meet = threading.Barrier(2, timeout=WAIT)
-
-    def spy(self, name):
-        readers[name] = threading.get_ident()
-        if len(readers) <= 2:
-            meet.wait()
-        if before_read is not None and threading.current_thread() is not threading.main_thread():
-            before_read(self, name)
-        return verified_words(self, name)
-
-    monkeypatch.setattr(Checkpoint, "verified_words", spy)
-    return readers
+    return _on_both_threads(monkeypatch, before_read, "verified_words")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
