@@ -125,6 +125,22 @@ def outcome(fn) -> dict:
     return {"type": None, "message": None}
 
 
+def damaged_loads(state_of, rows, out: Path, names) -> dict:
+    """Each checkpoint of ``names`` in ``out`` loaded with and without verify into a target
+    ``state_of(fill=-1.0)``: the outcome, and whether every tensor of ``rows`` stayed
+    untouched, by ``"<name> verify=<bool>"``."""
+    import lean_store as ls
+
+    rec = {}
+    for name in names:
+        for verify in (True, False):
+            target = state_of(fill=-1.0)
+            got = outcome(lambda t=target, n=name, v=verify: ls.load(t, out / n, verify=v))
+            got["unchanged"] = all(bool((target[k].tensor == -1.0).all()) for k in rows)
+            rec[f"{name} verify={verify}"] = got
+    return rec
+
+
 # ------------------------------------------------------------------------- scenarios
 
 

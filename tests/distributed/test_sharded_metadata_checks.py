@@ -19,7 +19,7 @@ import pytest
 from torch_optional import require_torch  # noqa: E402
 
 require_torch()
-from test_distributed import outcome, run_world  # noqa: E402
+from test_distributed import damaged_loads, run_world  # noqa: E402
 
 HERE = Path(__file__).resolve()
 ROWS = {"w": (8, 3), "v": (6,), "u": (4, 2)}
@@ -134,12 +134,8 @@ def scenario_manifest(rank: int, world: int, out: Path) -> dict:
             rec[f"{name} verify={verify}"] = {
                 "good": all(target[k].tensor.equal(want[k].tensor) for k in ROWS),
                 "compared": sorted(compared)}
-    for name in ("attr.h5", "swapped.h5", "doc.zarr"):
-        for verify in (True, False):
-            target = _state(rank, fill=-1.0)
-            got = outcome(lambda t=target, n=name, v=verify: ls.load(t, out / n, verify=v))
-            got["unchanged"] = all(bool((target[k].tensor == -1.0).all()) for k in ROWS)
-            rec[f"{name} verify={verify}"] = got
+    rec.update(damaged_loads(lambda fill: _state(rank, fill=fill), ROWS, out,
+                             ("attr.h5", "swapped.h5", "doc.zarr")))
     return rec
 
 
