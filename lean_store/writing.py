@@ -117,13 +117,6 @@ def _write_unit(crc_pool: ThreadPoolExecutor, sink: Any, region: Any, bits: Any)
     """Write one unit in order; its CRC-32C (computed in one pass, combined into the
     tensor's digest): units of 1 MiB or more have it computed on another core while the store
     writes them (crc32c releases the GIL). Returns once ``bits`` is no longer read."""
-    if sink.links_units and bits.nbytes >= OVERLAP_CRC_BYTES:
-        lazy = _WorkerCRC(crc_pool, bits)
-        try:
-            sink.write(region, bits, lazy)
-        finally:  # the CRC reads ``bits``: done before its buffer can be reused
-            unit_crc = lazy()
-        return unit_crc
     pending = None
     if bits.nbytes >= OVERLAP_CRC_BYTES:
         try:
@@ -223,26 +216,6 @@ class _InOrder:
                 except BaseException:  # noqa: BLE001, S110 - the first error is propagating
                     pass
         self._queue.clear()
-
-
-class _WorkerCRC:
-    """The CRC-32C of ``bits``, started on the CRC workers at once (an incremental step
-    compares the unit's bytes with its base's meanwhile, then checks the base's stored word
-    against it), waited for only when asked for."""
-
-    def __init__(self, pool: ThreadPoolExecutor, bits: Any) -> None:
-        self._bits = bits
-        self._value: int | None = None
-        try:
-            self._pending: Any = pool.submit(crc32c_of, bits)
-        except RuntimeError:  # pools refuse work once interpreter shutdown has begun
-            self._pending = None
-
-    def __call__(self) -> int:
-        if self._value is None:
-            self._value = crc32c_of(self._bits) if self._pending is None \
-                else self._pending.result()
-        return self._value
 
 
 def storage_name(entry: Entry, backend: str) -> str:

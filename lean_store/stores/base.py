@@ -76,18 +76,13 @@ class TensorWriter(ABC):
     entry: Entry
     chunk_shape: tuple[int, ...]
     write_unit: tuple[int, ...]
-    links_units: bool = False
-    """True when :meth:`write` may link a unit to an equal file of an earlier step (an
-    incremental step) instead of writing it: the caller then passes ``crc`` as a callable
-    whose value is being computed on the CRC workers while :meth:`write` compares the bytes;
-    a linked file's stored CRC word must equal it."""
 
     @abstractmethod
     def write(self, region: Region, bits: np.ndarray, crc: Any = None) -> int | None:
         """Write raw words for ``region`` of the stored shape (complex: trailing axis 2).
         ``crc``: the CRC-32C of ``bits`` when the caller already has it (saves a pass), or a
-        callable giving it. Returns the CRC-32C of ``bits`` when the unit was linked (see
-        :attr:`links_units`), else None."""
+        callable giving it. Returns the CRC-32C of ``bits`` when the unit was linked to an equal
+        file of an earlier step (an incremental step), else None."""
 
     def write_later(self, region: Region, bits: np.ndarray, submit: Any) -> Any:
         """Start writing ``region`` on a worker, for a ``bits`` that stays unchanged until

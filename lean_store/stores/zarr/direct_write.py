@@ -167,14 +167,6 @@ class DirectWriter:
         self._chunk_nbytes = math.prod(chunks) * itemsize
         self._made: set[str] = set()
 
-    @property
-    def links_units(self) -> bool:
-        """An incremental step's uncompressed unsharded chunks: compared with the previous
-        step's file while their CRC-32C is computed on a worker; the file is linked when its
-        bytes and its stored CRC word equal ours
-        (:attr:`lean_store.stores.base.TensorWriter.links_units`)."""
-        return self._linker is not None and self._blosc is None and self._shards is None
-
     def write(self, region: Region, data: np.ndarray, crc: Any = None) -> int | None:
         """Write the file of the shard (or chunk) whose clipped region is ``region``;
         ``data`` holds its C-contiguous little-endian bytes. A compressed chunk file of an
@@ -182,7 +174,8 @@ class DirectWriter:
         ``crc``: the CRC-32C of ``data`` when the caller has it (an int, or a callable giving
         it once computed): an unsharded uncompressed chunk then takes it instead of a second
         pass over its bytes. Returns the chunk's CRC-32C when its file was linked to an equal
-        one of the previous step (see :attr:`links_units`)."""
+        one of the previous step (an incremental step: the linker checks the file's
+        stored word against ``crc``)."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         key, path = self._unit_path(region)
         pieces: list[Any] = []

@@ -226,9 +226,6 @@ class ZarrTensorWriter(TensorWriter):
         self.write_unit = unit[:rank]  # regions are over the logical stored shape
         self._unit = unit
 
-    @property
-    def links_units(self) -> bool:  # type: ignore[override]
-        return self._direct is not None and self._direct.links_units
 
     def write(self, region: Region, bits: np.ndarray, crc: Any = None) -> int | None:
         data = np.ascontiguousarray(bits)
