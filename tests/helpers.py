@@ -130,3 +130,15 @@ def through_zarr_python(m: Any) -> None:
     m.setattr(zarr_store, "direct_ok", lambda *args, **kwargs: False)
     m.setattr(zarr_store, "PLAIN_IS_DIRECT", False)
     m.setattr(zarr_store, "crc32c_codec", Crc32cCodec)
+
+
+def frozen_backbone_model() -> Any:
+    """A torch model whose 96x96 first layer is frozen and whose 96x32 head trains (seeded):
+    what an incremental step links and what it writes."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.Linear(96, 32))
+    for p in list(model.parameters())[:2]:
+        p.requires_grad_(False)
+    return model

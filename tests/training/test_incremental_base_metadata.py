@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from helpers import frozen_backbone_model
 from torch_optional import require_torch
 
 import lean_store as ls
@@ -24,12 +25,6 @@ torch = require_torch()
 
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.Linear(96, 32))
-    for p in list(model.parameters())[:2]:
-        p.requires_grad_(False)
-    return model
 
 
 def _train(model: torch.nn.Module) -> None:
@@ -78,7 +73,7 @@ class _Reads:
 
 
 def test_consecutive_steps_read_no_document_of_the_base(scratch, monkeypatch):
-    model = _model()
+    model = frozen_backbone_model()
     ck = ls.Checkpointer(scratch, backend="zarr", incremental=True, keep_last=2)
     ck.save(0, model=model, rng=False)
     reads = _Reads(monkeypatch)
@@ -93,7 +88,7 @@ def test_consecutive_steps_read_no_document_of_the_base(scratch, monkeypatch):
 
 
 def test_a_new_checkpointer_reads_the_base_root_once(scratch, monkeypatch):
-    model = _model()
+    model = frozen_backbone_model()
     ls.Checkpointer(scratch, backend="zarr", incremental=True).save(0, model=model, rng=False)
     ck = ls.Checkpointer(scratch, backend="zarr", incremental=True)  # e.g. after a restart
     reads = _Reads(monkeypatch)
@@ -107,7 +102,7 @@ def test_a_new_checkpointer_reads_the_base_root_once(scratch, monkeypatch):
 def test_a_replaced_base_is_not_described_by_the_earlier_save(scratch, monkeypatch):
     """The record of the previous save is for its directory: a step replaced by another
     directory (another inode) is read again."""
-    model = _model()
+    model = frozen_backbone_model()
     ck = ls.Checkpointer(scratch, backend="zarr", incremental=True)
     first = ck.save(0, model=model, rng=False)
     copy = scratch / "copy"
@@ -122,7 +117,7 @@ def test_a_replaced_base_is_not_described_by_the_earlier_save(scratch, monkeypat
 
 
 def test_root_copy_altered_to_another_chunk_grid_links_nothing_of_it(scratch):
-    model = _model()
+    model = frozen_backbone_model()
     ls.Checkpointer(scratch, backend="zarr", incremental=True).save(0, model=model, rng=False)
     ck = ls.Checkpointer(scratch, backend="zarr", incremental=True)
     root_file = ck.path(0) / "zarr.json"
@@ -140,7 +135,7 @@ def test_root_copy_altered_to_another_chunk_grid_links_nothing_of_it(scratch):
 def test_altered_own_documents_of_the_base_still_give_an_exact_step(scratch):
     """The base's arrays are taken from the record (or root) while their own zarr.json say
     otherwise: only files whose bytes equal the new ones are linked, so the step is exact."""
-    model = _model()
+    model = frozen_backbone_model()
     ck = ls.Checkpointer(scratch, backend="zarr", incremental=True)
     first = ck.save(0, model=model, rng=False)
     doc_file = first / _node("0.weight") / "zarr.json"
@@ -160,7 +155,7 @@ def test_altered_own_documents_of_the_base_still_give_an_exact_step(scratch):
 
 
 def test_a_base_chunk_that_is_a_symlink_is_never_linked(scratch):
-    model = _model()
+    model = frozen_backbone_model()
     ck = ls.Checkpointer(scratch, backend="zarr", incremental=True)
     first = ck.save(0, model=model, rng=False)
     chunk = _chunk(first, "0.weight")
@@ -177,7 +172,7 @@ def test_a_base_chunk_that_is_a_symlink_is_never_linked(scratch):
 
 
 def test_a_failed_save_forgets_the_record(scratch, monkeypatch):
-    model = _model()
+    model = frozen_backbone_model()
     ck = ls.Checkpointer(scratch, backend="zarr", incremental=True)
     ck.save(0, model=model, rng=False)
 
@@ -204,7 +199,7 @@ def test_written_files_start_their_writeback_and_linked_ones_do_not(scratch, mon
     system kept in memory nothing is asked."""
     from lean_store.stores import fs_sync
 
-    model = _model()
+    model = frozen_backbone_model()
     ck = ls.Checkpointer(scratch, backend="zarr", incremental=True)
     ck.save(0, model=model, rng=False)
     started: list[int] = []

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import frozen_backbone_model
 from torch_optional import require_torch
 
 import lean_store as ls
@@ -17,12 +18,6 @@ from lean_store.stores import commit, fs_sync
 torch = require_torch()  # Checkpointer steps hold a torch model
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.Linear(96, 32))
-    for p in list(model.parameters())[:2]:
-        p.requires_grad_(False)
-    return model
 
 
 def _record(monkeypatch) -> list[tuple[str, str]]:
@@ -63,7 +58,7 @@ def _record(monkeypatch) -> list[tuple[str, str]]:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to name fds")
 def test_linked_files_are_not_fsynced_and_directories_take_one_syncfs(tmp_path, monkeypatch):
-    model = _model()
+    model = frozen_backbone_model()
     ck = ls.Checkpointer(tmp_path / "run", backend="zarr", incremental=True)
     ck.save(0, model=model, rng=False)
     with torch.no_grad():
