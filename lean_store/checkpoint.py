@@ -34,17 +34,18 @@ from .progress import make_progress
 from .read_ahead import read_all
 from .sources import TargetTensor, tensor_source, tensor_targets
 from .stores.base import ChunkProblem, Selection, StorageDescription, StoredTensor
+from .stores.commit import is_url
 from .stores.registry import open_reader
 from .writing import OVERLAP_CRC_BYTES
 
 OPEN_ATTEMPTS = 3
+"""Times ``open``, ``load`` and ``load_state`` start over when a save replaces the checkpoint
+while they read it."""
 KEPT_VERIFIED_BYTES = 64 << 20
-_CHECKER_LOCK = threading.Lock()
 """``load`` keeps the words its verify pass read, tensor by tensor while they fit in this many
 bytes in all, and installs them without reading them again (small tensors' second read is
 most of their cost); the other tensors are read again at install, as before."""
-"""Times ``open``, ``load`` and ``load_state`` start over when a save replaces the checkpoint
-while they read it."""
+_CHECKER_LOCK = threading.Lock()
 T = TypeVar("T")
 
 
@@ -580,7 +581,7 @@ def expected_with_casts(
 def _read_all(ck: Checkpoint, names: list[str], read: Callable[[str], T]) -> dict[str, T]:
     """``{name: read(name)}``: a tensor read, checked and decompressed while the next one is
     (:mod:`lean_store.read_ahead`); a remote store's reads stay on this thread."""
-    if "://" in str(ck.path):
+    if is_url(ck.path):
         return {name: read(name) for name in names}
     return read_all(names, read, total_bytes=sum(ck.layout[n].nbytes for n in names))
 
