@@ -351,8 +351,12 @@ def _rank(url: str, rank: int, world: int, port: int) -> None:
             "b": whole["b"],  # replicated: written once, by rank 0
         }
         ls.save(local, url, process_group=dist.group.WORLD)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    from gloo_world import leave_world
+
+    leave_world()
 
 
 if __name__ == "__main__":

@@ -115,6 +115,8 @@ def rank_main(rank: int, port: int, layout: str, dim: int, layers: int, root: Pa
     if rank == 0:
         (root / f"{layout}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
+    sys.stdout.flush()  # then no interpreter finalization, which a gloo worker thread
+    os._exit(0)  # can abort (the race in tests/gloo_world.py leave_world)
 
 
 def run(layout: str, dim: int, layers: int, root: Path, repeat: int) -> dict:
