@@ -279,9 +279,11 @@ class Checkpointer:
             busy = self._deleting.get(name)
             if busy is not None and not busy.done():
                 continue  # being removed by this Checkpointer's background thread
-            if _LEFTOVER.match(name):
-                remove_path(self.directory / name)
-                removed.append(self.directory / name)
+            path = self.directory / name
+            # gone since the listing (the background thread finished it): not ours to report
+            if _LEFTOVER.match(name) and os.path.lexists(path):
+                remove_path(path)
+                removed.append(path)
         return removed
 
     # ------------------------------------------------------------------------- restoring

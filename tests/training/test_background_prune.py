@@ -75,3 +75,25 @@ def test_at_most_max_deleting_removals_at_once(tmp_path, monkeypatch):
     ck.finish_deletions()
     assert ck.steps() == [7] and most[0] == 1  # one background thread
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [ck.path(7).name]
+
+
+def test_a_leftover_gone_since_the_listing_is_neither_touched_nor_reported(tmp_path,
+                                                                            monkeypatch):
+    """clean_incomplete lists the directory, then removes leftovers one by one: a removal
+    finished by the background thread in between must not be redone on the caller's thread
+    (it ran beside the background one) nor reported as removed by this call."""
+    ck = ls.Checkpointer(tmp_path / "run", keep_last=1, backend="zarr")
+    ck.save(1, model=torch.nn.Linear(4, 4), rng=False)
+    gone = ".step_0000000000.zarr.lean_store-dead-0123abcd"  # listed, no longer on disk
+    left = tmp_path / "run" / ".step_0000000000.h5.lean_store-tmp-4567ef"
+    left.write_bytes(b"left by a crashed save")
+    real_listdir = checkpointer_module.os.listdir
+    monkeypatch.setattr(checkpointer_module.os, "listdir",
+                        lambda d: [*real_listdir(d), gone])
+    calls: list[str] = []
+    real = checkpointer_module.remove_path
+    monkeypatch.setattr(checkpointer_module, "remove_path",
+                        lambda p: (calls.append(p.name), real(p)))
+    assert ck.clean_incomplete() == [left]
+    assert calls == [left.name] and not left.exists()
+    assert ck.steps() == [1]
