@@ -132,14 +132,17 @@ class BloscChunks:
         self._put = put
         self._queue = queue
 
-    def submit(self, offset: tuple[int, ...], chunk: np.ndarray) -> None:
+    def submit(self, offset: tuple[int, ...], chunk: np.ndarray, *, copy: bool = True
+               ) -> None:
         """Queue one full chunk (its bytes, padded to the chunk shape). It is copied for the
-        workers, so the caller may reuse ``chunk``'s memory as soon as this returns."""
+        workers, so the caller may reuse ``chunk``'s memory as soon as this returns; with
+        ``copy=False`` the workers read ``chunk`` itself, which must stay unchanged until the
+        queue is flushed (a stable source's memory, for the whole save)."""
         if not self._queue.busy() and chunk.nbytes < INLINE_BYTES:  # not worth a hand-off
             self._put(offset, _encode(chunk, self._itemsize, self._fletcher32))
             return
-        self._queue.submit(functools.partial(self._put, offset), _encode, chunk.copy(),
-                           self._itemsize, self._fletcher32)
+        self._queue.submit(functools.partial(self._put, offset), _encode,
+                           chunk.copy() if copy else chunk, self._itemsize, self._fletcher32)
 
 
 

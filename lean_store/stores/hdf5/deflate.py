@@ -83,14 +83,17 @@ class DeflateChunks:
         self._put = put
         self._queue = queue
 
-    def submit(self, offset: tuple[int, ...], chunk: np.ndarray) -> None:
+    def submit(self, offset: tuple[int, ...], chunk: np.ndarray, *, copy: bool = True
+               ) -> None:
         """Queue one full chunk (its bytes, padded to the chunk shape). The shuffle copies it
-        here, so the caller may reuse ``chunk``'s memory as soon as this returns."""
+        here, so the caller may reuse ``chunk``'s memory as soon as this returns (with
+        ``copy=False`` an unshuffled chunk is read by the workers as it is: it must stay
+        unchanged until the queue is flushed)."""
         shuffled = shuffle(chunk, self._itemsize)
         if not self._queue.busy() and chunk.nbytes < INLINE_BYTES:  # not worth a hand-off
             self._put(offset, _encode(shuffled, self._itemsize, self._level, self._fletcher32))
             return
-        if shuffled is chunk:
+        if shuffled is chunk and copy:
             shuffled = chunk.copy()
         self._queue.submit(functools.partial(self._put, offset), _encode, shuffled,
                            self._itemsize, self._level, self._fletcher32)

@@ -203,7 +203,11 @@ class HDF5TensorWriter(TensorWriter):
         """An unfiltered chunk of a dataset allocated at creation: written with ``pwritev``
         at its file offset (HDF5's ``H5Dget_chunk_info``) by a worker, which also computes
         its CRC-32C, while the caller goes on with the next datasets in HDF5 (the file's
-        bytes are those ``H5Dwrite_chunk`` writes). None: use :meth:`write`."""
+        bytes are those ``H5Dwrite_chunk`` writes). A whole chunk of a compressed dataset
+        is queued for compression without a copy (:meth:`_compress_later`). None: use
+        :meth:`write`."""
+        if self._deflate is not None:
+            return self._compress_later(region, bits, submit)
         if self._fd is None:
             return None
         start = tuple(s.start for s in region)
@@ -219,6 +223,26 @@ class HDF5TensorWriter(TensorWriter):
             return None
         coords = tuple(a // c for a, c in zip(start, self.chunk_shape))
         return submit(self._write_at, chunk_number(coords, self._grid), info.byte_offset, data)
+
+    def _compress_later(self, region: Region, bits: np.ndarray, submit: Any) -> Any:
+        """A whole chunk of a compressed dataset from a stable source (its memory unchanged
+        for the whole save): queued for compression as it is, without the copy :meth:`write`
+        makes, its CRC-32C computed and recorded on a worker. None (an edge chunk, padded by
+        :meth:`write`): use :meth:`write`."""
+        data = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
+        if data.size != self._chunk_nbytes:
+            return None
+        start = tuple(s.start for s in region)
+        coords = tuple(a // c for a, c in zip(start, self.chunk_shape))
+        assert self._deflate is not None
+        self._deflate.submit(start, data, copy=False)
+        return submit(self._record_crc, chunk_number(coords, self._grid), data)
+
+    def _record_crc(self, number: int, data: np.ndarray) -> int:
+        """The CRC-32C of chunk ``number`` (its bytes ``data``), recorded in the table."""
+        crc = crc32c_of(data)
+        self._crcs[number] = crc
+        return crc
 
     def _write_at(self, number: int, offset: int, data: np.ndarray) -> int:
         """Chunk ``number`` (its bytes ``data``; an edge chunk padded with zeros as

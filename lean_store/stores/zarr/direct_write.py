@@ -195,20 +195,29 @@ class DirectWriter:
             else:
                 pieces += self._chunk_pieces(flat)
         else:
-            size = self._chunk_nbytes
-            per_shard = math.prod(s // c for s, c in zip(self._shards, self._chunks))
-            parts = [flat[j * size: (j + 1) * size] for j in range(per_shard)]
-            parts = [p for p in parts if p.size]  # row blocks: the chunks inside the array
-            index = shard_index.empty(per_shard)
-            offset = 0
-            for j, chunk in enumerate(self._encoded(parts)):
-                nbytes = sum(len(memoryview(p)) for p in chunk)
-                index[j] = (offset, nbytes)
-                offset += nbytes
-                pieces += chunk
-            pieces += shard_index.encode(index)
+            pieces += self._unit_pieces(flat)
         self._put(path, key, pieces)
         return None
+
+    def _unit_pieces(self, flat: np.ndarray) -> list[Any]:
+        """The stored pieces of the unit ``flat``: its chunk (unsharded), or its shard's
+        chunks and index."""
+        if self._shards is None:
+            return self._chunk_pieces(flat)
+        size = self._chunk_nbytes
+        per_shard = math.prod(s // c for s, c in zip(self._shards, self._chunks))
+        parts = [flat[j * size: (j + 1) * size] for j in range(per_shard)]
+        parts = [p for p in parts if p.size]  # row blocks: the chunks inside the array
+        index = shard_index.empty(per_shard)
+        pieces: list[Any] = []
+        offset = 0
+        for j, chunk in enumerate(self._encoded(parts)):
+            nbytes = sum(len(memoryview(p)) for p in chunk)
+            index[j] = (offset, nbytes)
+            offset += nbytes
+            pieces += chunk
+        pieces += shard_index.encode(index)
+        return pieces
 
     def write_later(self, region: Region, data: np.ndarray,
                     submit: Callable[..., Future[int]]) -> Future[int] | None:
@@ -217,15 +226,25 @@ class DirectWriter:
         future gives the CRC-32C of ``data``, which must stay unchanged until it is done. The
         file's bytes are those :meth:`write` writes; its folders are made here, on the
         caller's thread. In an incremental step the worker compares the unit with the
-        previous step's file and links or writes it (:meth:`write`). None where units go
-        through :meth:`write` only (compressed chunks)."""
-        if self._blosc is not None:
-            return None
+        previous step's file and links or writes it (:meth:`write`). A compressed unit is
+        compressed on that worker too, from ``data`` itself: no copy, as :meth:`write` makes
+        for its queue (``data`` stays unchanged until the future is done)."""
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        path = self._unit_path(region)[1]
+        key, path = self._unit_path(region)
+        if self._blosc is not None:
+            return submit(self._write_compressed, key, path, flat)
         if self._linker is not None:
             return submit(self._link_or_write, region, flat)
         return submit(self._write_plain, path, flat)
+
+    def _write_compressed(self, key: str, path: str, flat: np.ndarray) -> int:
+        """The file of the compressed unit ``flat`` (folders made), on a worker: its chunks
+        compressed here (a shard's on the Blosc pool as well), then written or, in an
+        incremental step, linked to the previous step's equal file. Returns the CRC-32C of
+        ``flat``."""
+        crc = crc32c_of(flat)
+        self._put(path, key, self._unit_pieces(flat))
+        return crc
 
     def _link_or_write(self, region: Region, flat: np.ndarray) -> int:
         """The unit ``region`` of an incremental step, on a worker: its CRC-32C, then
