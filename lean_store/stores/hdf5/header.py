@@ -54,11 +54,18 @@ def plain_superblock(head: bytes) -> bool:
         8, 8) and base == 0
 
 
-def attribute_messages(pread: Callable[[int, int], bytes], address: int, file_size: int
+OtherMessage = tuple[int, int, bytes]
+"""A message that is not an attribute, its attribute info, a continuation or a NIL: its
+type, its header flags and its body."""
+
+
+def attribute_messages(pread: Callable[[int, int], bytes], address: int, file_size: int,
+                       others: list[OtherMessage] | None = None
                        ) -> dict[bytes, AttributeMessage] | None:
     """name -> message of every attribute message in the version 2 object header at
     ``address`` (``pread(size, offset)`` reads the file); None where the header is not of the
-    kind this module reads (see the module text): the caller then asks libhdf5."""
+    kind this module reads (see the module text): the caller then asks libhdf5. ``others``,
+    when given, receives every other message of the header (:data:`OtherMessage`)."""
     if not 0 <= address < file_size:
         return None
     head = pread(min(FIRST_READ, file_size - address), address)
@@ -85,7 +92,7 @@ def attribute_messages(pread: Callable[[int, int], bytes], address: int, file_si
     seen = 1
     while chunks:
         block, start, end = chunks.pop()
-        more = _messages(block, start, end, order, found)
+        more = _messages(block, start, end, order, found, others)
         if more is None:
             return None
         for offset, length in more:
@@ -102,7 +109,8 @@ def attribute_messages(pread: Callable[[int, int], bytes], address: int, file_si
 
 
 def _messages(block: bytes, pos: int, end: int, order: int,
-              found: dict[bytes, AttributeMessage]) -> list[tuple[int, int]] | None:
+              found: dict[bytes, AttributeMessage], others: list[OtherMessage] | None = None
+              ) -> list[tuple[int, int]] | None:
     """Add the attribute messages of one header chunk to ``found``; the continuation
     chunks it points to, or None for anything this module does not read. An attribute
     message must be of version 3 with no shared parts: version, flags, the sizes of its
@@ -143,6 +151,8 @@ def _messages(block: bytes, pos: int, end: int, order: int,
             if size < _CONT.size:
                 return None
             more.append(_CONT.unpack_from(block, body_at))
+        elif others is not None:
+            others.append((kind, mflags, block[body_at:pos]))
     return more
 
 

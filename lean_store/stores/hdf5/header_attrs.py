@@ -18,6 +18,7 @@ from h5py import h5a, h5d, h5o
 
 from .attrs import EncodedAttr
 from .header import AttributeMessage, attribute_messages, plain_superblock
+from .header_layout import SingleChunk, single_chunk
 from .libhdf5 import library
 
 
@@ -29,6 +30,7 @@ class HeaderAttributes:
         self._fd = fd
         self._file_size = file_size
         self._readable: bool | None = None  # decided at the first dataset
+        self._plain: bool | None = None  # addresses are file positions (see single_chunk)
 
     def attribute_messages(self, dsid: h5d.DatasetID, count: int
                            ) -> dict[bytes, AttributeMessage] | None:
@@ -47,6 +49,22 @@ class HeaderAttributes:
             return None
         return attribute_messages(lambda n, at: os.pread(fd, n, at), found[0],
                                   self._file_size)
+
+    def single_chunk(self, address: int) -> SingleChunk | None:
+        """The one-chunk dataset whose object header is at ``address`` (the root group's hard
+        link to it says so), read from the file's bytes (:mod:`.header_layout`); None where
+        it is not one or headers cannot be read here."""
+        fd = self._fd
+        if fd is None:
+            return None
+        try:
+            if self._plain is None:
+                self._plain = plain_superblock(os.pread(fd, 48, 0))
+            if not self._plain:
+                return None
+            return single_chunk(lambda n, at: os.pread(fd, n, at), address, self._file_size)
+        except OSError:
+            return None
 
     def _headers_readable(self, dsid: h5d.DatasetID) -> bool:
         """The superblock puts its base at 0 (addresses are file positions), and the libhdf5

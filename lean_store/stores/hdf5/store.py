@@ -452,6 +452,12 @@ class HDF5Reader(StoreReader):
         self._datasets: dict[str, h5d.DatasetID] = {}
         self._listed: list[str] | None = None  # see nodes()
         self._hard_links: frozenset[str] = frozenset()  # every link nodes() listed: hard ones
+        self._addresses: dict[str, int] = {}  # node -> its object header's address (nodes())
+        # node -> (file offset, stored size) of the one chunk of a dataset read from its
+        # object header, never opened through libhdf5 (see _stored_from_header)
+        self._single: dict[str, tuple[int, int]] = {}
+        self._header_types: dict[str, tuple[int, bytes]] = {}  # node -> datatype message
+        self._header_differs: set[str] = set()  # header_match said no at open: not asked again
         self._filesize: int | None = None
         self._attrs_checked: set[str] = set()  # datasets whose attributes match the manifest
         self._types: dict[str, Any] = {}
@@ -490,20 +496,23 @@ class HDF5Reader(StoreReader):
         return list(self._listed)
 
     def _nodes(self) -> list[str]:
-        links: list[tuple[bytes, int]] = []  # one pass over the root group's links
+        links: list[tuple[bytes, int, Any]] = []  # one pass over the root group's links
 
         def visit(name: bytes, info: Any) -> None:
-            links.append((name, info.type))  # (raising in here would upset h5py's lock)
+            # (raising in here would upset h5py's lock); ``u``: a hard link's object address
+            links.append((name, info.type, info.u))
 
         self._file.id.links.iterate(visit, info=True)
         names = []
-        for raw, kind in links:
+        for raw, kind, address in links:
             name = raw.decode("utf-8")
             if kind != h5l.TYPE_HARD:
                 what = {h5l.TYPE_SOFT: "SoftLink", h5l.TYPE_EXTERNAL: "ExternalLink"}.get(
                     kind, "link of an unknown type")
                 raise UnsafeFileError(f"{name!r} is a {what}, not a dataset")
             names.append(name)
+            if isinstance(address, int) and not isinstance(address, bool):
+                self._addresses[name] = address
         return sorted(names)
 
     def _dataset(self, node: str) -> h5py.Dataset:
@@ -555,7 +564,9 @@ class HDF5Reader(StoreReader):
     def _stored(self, node: str) -> StoredTensor:
         record = None if self._manifest is None else self._manifest.get(node)
         if record is not None:
-            found = self._stored_from_manifest(node, record)
+            found = self._stored_from_header(node, record)
+            if found is None:
+                found = self._stored_from_manifest(node, record)
             if found is not None:
                 return found
         ds = self._dataset(node)
@@ -581,6 +592,38 @@ class HDF5Reader(StoreReader):
             itemsize=ftype.get_size(),
             nbytes_on_disk=ds.id.get_storage_size(),
             filters=filters,
+        )
+
+    def _stored_from_header(self, node: str, record: TensorRecord) -> StoredTensor | None:
+        """A dataset of one unfiltered chunk whose structure (dataspace, datatype size, layout,
+        no filter or external storage, its one chunk present, inside the file and of full
+        size) is read from its object header and chunk index at the address the root group's
+        hard link gives (:mod:`.header_layout`), without opening it through libhdf5. Its
+        attributes are compared with the record now when the header holds exactly the bytes
+        libhdf5 confirmed (:func:`header_match`), else at its first read as always; its
+        datatype by :meth:`type_mismatch`. None: the dataset is opened as before."""
+        address = self._addresses.get(node)
+        if address is None or node in self._datasets:
+            return None
+        found = self._headers.single_chunk(address)
+        if found is None or found.shape != record.stored_shape or (
+            found.chunks != record.chunks
+        ) or record.table.size != 1:
+            return None
+        check_chunk_shape(node, found.chunks, found.shape, found.itemsize)
+        self._single[node] = (found.offset, found.size)
+        self._header_types[node] = found.datatype
+        self._tables[node] = record.table
+        self._geometry[node] = (found.shape, found.chunks, found.itemsize)
+        self._plain[node] = True
+        if header_match(found.attributes, _written_attrs(record)):
+            self._attrs_checked.add(node)
+        else:  # compared through libhdf5 at the first read (check_attributes)
+            self._header_differs.add(node)
+        return StoredTensor(
+            node=node, attrs=dict(record.attrs), stored_shape=found.shape,
+            chunk_shape=found.chunks, storage="hdf5", itemsize=found.itemsize,
+            nbytes_on_disk=found.size, filters=["crc32c"],
         )
 
     def _stored_from_manifest(self, node: str, record: TensorRecord) -> StoredTensor | None:
@@ -669,7 +712,8 @@ class HDF5Reader(StoreReader):
         dsid = self._dsid(node)
         expected = _written_attrs(record)
         messages = self._headers.attribute_messages(dsid, len(expected))
-        if header_match(messages, expected):  # the header holds the bytes libhdf5 confirmed
+        if node not in self._header_differs and header_match(messages, expected):
+            # the header holds the bytes libhdf5 confirmed
             self._attrs_checked.add(node)
             return
         if attrs_match(dsid, expected):  # exactly as written: no decoding
@@ -701,11 +745,20 @@ class HDF5Reader(StoreReader):
 
     def type_mismatch(self, node: str, fmt: ScalarFormat) -> str | None:
         """None when the dataset's HDF5 type is exactly the one lean_store writes for ``fmt``."""
+        datatype = self._header_types.get(node)
+        if datatype is not None and (fmt, datatype) in _CONFIRMED_TYPES:
+            return None  # the very bytes of a datatype libhdf5 found equal to fmt's
         ftype = self._types.get(node) or self._dsid(node).get_type()
         expected = self._format_types.get(fmt)
         if expected is None:
             expected = self._format_types[fmt] = hdf5_type(fmt)
-        return None if ftype == expected else f"HDF5 datatype does not encode {fmt.tag}"
+        if ftype != expected:
+            return f"HDF5 datatype does not encode {fmt.tag}"
+        if datatype is not None:
+            if len(_CONFIRMED_TYPES) >= MAX_CONFIRMED_TYPES:
+                _CONFIRMED_TYPES.clear()
+            _CONFIRMED_TYPES.add((fmt, datatype))
+        return None
 
     def describe(self, node: str) -> StorageDescription:
         info = self.stored(node)
@@ -725,6 +778,10 @@ class HDF5Reader(StoreReader):
         selection's shape and the format's storage dtype). With a ``chunk_crc32c`` table, every
         chunk the selection touches is read whole and checked against it first."""
         self.check_attributes(node)
+        if node in self._single:
+            words = self._read_single(node, selection, fmt, out)
+            if words is not None:
+                return words
         ds = self._dsid(node)
         ftype = self._types.get(node) or ds.get_type()
         shape = selection.count + ((2,) if fmt.words_per_value == 2 else ())
@@ -741,6 +798,32 @@ class HDF5Reader(StoreReader):
         if into is not None and into is not out:
             into[...] = out
             return into
+        return out
+
+    def _read_single(self, node: str, selection: Selection, fmt: ScalarFormat,
+                     out: np.ndarray | None) -> np.ndarray | None:
+        """The whole of a dataset found by :meth:`_stored_from_header` (one chunk at a known
+        offset) read into ``out`` (or a new array) with ``pread`` and checked against its
+        CRC-32C; None for any other selection or ``out``: read as before."""
+        shape, chunks, _ = self._geometry[node]
+        if selection.start != (0,) * len(shape) or selection.count != shape or any(
+            step != 1 for step in selection.step
+        ):
+            return None
+        if out is None:
+            out = np.empty(shape + ((2,) if fmt.words_per_value == 2 else ()),
+                           dtype=fmt.storage_dtype)
+        coords = (0,) * len(shape)
+        crc = self._pread_halves(node, None, coords, out)
+        if crc is None:
+            if not self._pread_chunk(node, None, coords, out):
+                return None
+            crc = crc32c_of(out)
+        table = self._tables[node]
+        assert table is not None  # the record's, set with _single
+        expected = int(table[0])
+        if crc != expected:
+            raise _crc_mismatch(node, coords, coords, crc, expected)
         return out
 
     def chunk_crcs(self, node: str) -> np.ndarray | None:
@@ -801,6 +884,11 @@ class HDF5Reader(StoreReader):
         checked against the table: the caller runs :meth:`check_chunk` before using it (so
         that the check can overlap the read of the next chunk)."""
         self.check_attributes(node)
+        origin = (0,) * len(selection.start)
+        if node in self._single and out.size and selection.start == origin and (
+            self._pread_chunk(node, None, origin, out)
+        ):
+            return out
         ds = self._dsid(node)
         ftype = self._types.get(node) or ds.get_type()
         coords = tuple(a // c for a, c in zip(selection.start, self._shape_and_chunks(node, ds)[1]))
@@ -813,8 +901,8 @@ class HDF5Reader(StoreReader):
     def check_chunk(self, node: str, number: int, words: np.ndarray) -> None:
         """IntegrityError unless ``words`` (chunk ``number`` in C order, whole) match the
         ``chunk_crc32c`` table."""
-        ds = self._dsid(node)
-        table = self._table(node, ds)
+        ds = None if node in self._tables else self._dsid(node)
+        table = self._tables[node] if ds is None else self._table(node, ds)
         if table is None:
             return
         crc, expected = crc32c_of(words), int(table[number])
@@ -824,16 +912,18 @@ class HDF5Reader(StoreReader):
             start = tuple(i * c for i, c in zip(coords, chunks))
             raise _crc_mismatch(node, coords, start, crc, expected)
 
-    def _shape_and_chunks(self, node: str, dsid: h5d.DatasetID
+    def _shape_and_chunks(self, node: str, dsid: h5d.DatasetID | None
                           ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(stored shape, chunk shape; the shape where not chunked) of ``node``."""
         geometry = self._geometry.get(node)
         if geometry is not None:
             return geometry[0], geometry[1]
+        if dsid is None:
+            dsid = self._dsid(node)
         shape = tuple(dsid.shape)
         return shape, _chunks_of(dsid) or shape
 
-    def _pread_chunk(self, node: str, ds: h5d.DatasetID, coords: tuple[int, ...],
+    def _pread_chunk(self, node: str, ds: h5d.DatasetID | None, coords: tuple[int, ...],
                      out: np.ndarray) -> bool:
         """Chunk ``coords`` of an unfiltered dataset read straight into ``out`` (the chunk
         clipped to the dataset, a prefix of its bytes) from the chunk's file offset. Every
@@ -844,7 +934,7 @@ class HDF5Reader(StoreReader):
         self._pread_into(node, coords, out.view(np.uint8).reshape(-1), offset)
         return True
 
-    def _pread_halves(self, node: str, ds: h5d.DatasetID, coords: tuple[int, ...],
+    def _pread_halves(self, node: str, ds: h5d.DatasetID | None, coords: tuple[int, ...],
                       out: np.ndarray) -> int | None:
         """:meth:`_pread_chunk` of a chunk of :data:`SPLIT_READ_BYTES` or more in two halves,
         the second read (and its CRC-32C computed) by a worker while this thread reads the
@@ -887,12 +977,21 @@ class HDF5Reader(StoreReader):
         if got != flat.nbytes:
             raise IntegrityError(f"tensor {node!r}: chunk {coords} is truncated")
 
-    def _chunk_offset(self, node: str, ds: h5d.DatasetID, coords: tuple[int, ...],
+    def _chunk_offset(self, node: str, ds: h5d.DatasetID | None, coords: tuple[int, ...],
                       out: np.ndarray) -> int | None:
         """The file offset of chunk ``coords`` of an unfiltered dataset, whose bytes start
         with those of ``out`` (the chunk clipped to the dataset): offset and size checked
-        against the file. None: read with HDF5 instead."""
+        against the file. None: read with HDF5 instead (``ds``: None for a dataset found by
+        :meth:`_stored_from_header`, never opened)."""
         if self._fd is None:
+            return None
+        single = self._single.get(node)
+        if single is not None:
+            if not any(coords) and out.flags.c_contiguous and _prefix_of_chunk(
+                out.shape, self._geometry[node][1]
+            ) and out.nbytes <= single[1]:
+                return single[0]
+        if ds is None:
             return None
         plain = self._plain.get(node)
         if plain is None:
@@ -1005,6 +1104,14 @@ class HDF5Reader(StoreReader):
     def close(self) -> None:
         self._fd = None  # HDF5's own descriptor: closed with the file
         self._file.close()
+
+
+_CONFIRMED_TYPES: set[tuple[ScalarFormat, tuple[int, bytes]]] = set()
+"""(format, a datatype message's flags and body) pairs where libhdf5 found the datatype of a
+dataset whose object header holds exactly that message equal to the type written for the
+format (:meth:`HDF5Reader.type_mismatch`): the same bytes decode to the same type in any file.
+"""
+MAX_CONFIRMED_TYPES = 1024  # then forgotten all at once
 
 
 def _written_attrs(record: TensorRecord) -> list[EncodedAttr]:

@@ -1,0 +1,160 @@
+"""A one-chunk dataset's structure read from its object header's bytes, without libhdf5.
+
+Opening a dataset through libhdf5 (``H5Oopen``), asking it for its layout, filters, shape and
+chunk address, and closing it again costs ~0.1 ms; most tensors of a model are small, one chunk
+each. The root group's listing (one pass, done anyway) gives every dataset's object header
+address; :func:`single_chunk` reads that header (one ``pread`` per header chunk,
+:mod:`.header`) and the chunk index it points to, and accepts exactly this shape of dataset,
+which is what lean_store writes for a tensor of one chunk (``v108`` bounds):
+
+- a version 2 header of compact attributes (as :mod:`.header` reads it) whose other messages
+  are one dataspace (version 2, simple, no maximum other than its size), one datatype, one
+  layout, and at most a fill value and a modification time: no filter pipeline, no external
+  storage, nothing shared, nothing else;
+- a layout message of version 3, chunked, whose v1 B-tree is one leaf holding one chunk, at
+  offset 0, unfiltered (mask 0), of exactly the chunk's bytes, inside the file.
+
+Anything else is None and the caller opens the dataset through libhdf5 as before. The datatype
+message's bytes are returned, not decoded: the caller accepts them only once libhdf5 compared
+a dataset holding exactly those bytes with the type lean_store writes for the format.
+Addresses are file positions: the caller checks the superblock (:func:`.header.plain_superblock`)
+and reads through HDF5's own descriptor.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable
+from typing import NamedTuple
+
+from .header import AttributeMessage, OtherMessage, attribute_messages
+
+_DATASPACE, _DATATYPE, _FILL_VALUE, _LAYOUT, _MODIFIED = 0x01, 0x03, 0x05, 0x08, 0x12
+_ONCE = (_DATASPACE, _DATATYPE, _LAYOUT)  # exactly one each
+_AT_MOST_ONCE = (_FILL_VALUE, _MODIFIED)  # change nothing a reader of written chunks uses
+_UNDEFINED = 2**64 - 1
+_BTREE_HEAD = struct.Struct("<4sBBHQQ")  # "TREE", node type, level, entries, left, right
+_KEY_HEAD = struct.Struct("<II")  # a chunk key: stored size, filter mask (then its offsets)
+_RAW_DATA_NODE = 1  # B-tree node type of a chunked dataset's index
+_MAX_RANK = 32
+
+
+class SingleChunk(NamedTuple):
+    """A dataset of one unfiltered chunk, as its object header and chunk index say."""
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    itemsize: int
+    datatype: tuple[int, bytes]  # the datatype message's flags and body, not decoded
+    offset: int  # the chunk's file position
+    size: int  # its stored bytes: the chunk shape's values times the item size
+    attributes: dict[bytes, AttributeMessage]
+
+
+class _Cached:
+    """``pread`` that serves a read inside the header's first read from those bytes (a
+    dataset's chunk index often lies just after its header)."""
+
+    def __init__(self, pread: Callable[[int, int], bytes]) -> None:
+        self._pread = pread
+        self._first: tuple[int, bytes] | None = None
+
+    def __call__(self, size: int, offset: int) -> bytes:
+        first = self._first
+        if first is not None and first[0] <= offset and offset + size <= first[0] + len(
+            first[1]
+        ):
+            return first[1][offset - first[0]:offset - first[0] + size]
+        data = self._pread(size, offset)
+        if first is None:
+            self._first = (offset, data)
+        return data
+
+
+def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: int
+                 ) -> SingleChunk | None:
+    """The dataset whose object header is at ``address`` (``pread(size, offset)`` reads the
+    file of ``file_size`` bytes), when it is one unfiltered chunk as the module text says;
+    None for anything else."""
+    cached = _Cached(pread)
+    others: list[OtherMessage] = []
+    attributes = attribute_messages(cached, address, file_size, others)
+    if attributes is None:
+        return None
+    bodies: dict[int, tuple[int, bytes]] = {}
+    for kind, flags, body in others:
+        if kind not in _ONCE + _AT_MOST_ONCE or kind in bodies:
+            return None
+        bodies[kind] = (flags, body)
+    if any(kind not in bodies for kind in _ONCE):
+        return None
+    shape = _dataspace(bodies[_DATASPACE][1])
+    datatype = bodies[_DATATYPE]
+    if shape is None or len(datatype[1]) < 8:
+        return None
+    itemsize = int.from_bytes(datatype[1][4:8], "little")
+    layout = _layout(bodies[_LAYOUT][1], len(shape), itemsize)
+    if layout is None or itemsize < 1:
+        return None
+    index, chunks = layout
+    if not shape or not all(0 < d <= c for d, c in zip(shape, chunks)):
+        return None  # no values, or more than one chunk
+    size = math.prod(chunks) * itemsize
+    offset = _only_chunk(cached, index, len(shape) + 1, size, file_size)
+    if offset is None:
+        return None
+    return SingleChunk(shape, chunks, itemsize, datatype, offset, size, attributes)
+
+
+def _dataspace(body: bytes) -> tuple[int, ...] | None:
+    """The dimensions of a version 2 simple dataspace whose maximum (if given) is its size."""
+    if len(body) < 4 or body[0] != 2 or body[3] != 1 or body[2] & ~0x01:
+        return None
+    rank = body[1]
+    count = rank * (2 if body[2] & 0x01 else 1)
+    if rank > _MAX_RANK or len(body) != 4 + 8 * count:
+        return None
+    values = struct.unpack_from(f"<{count}Q", body, 4)
+    dims = tuple(values[:rank])
+    if body[2] & 0x01 and values[rank:] != dims:
+        return None
+    return dims
+
+
+def _layout(body: bytes, rank: int, itemsize: int) -> tuple[int, tuple[int, ...]] | None:
+    """(address of the v1 B-tree, chunk shape) of a version 3 chunked layout message of a
+    dataset of ``rank`` whose last chunk dimension is the item size."""
+    ndims = rank + 1
+    if len(body) != 11 + 4 * ndims or body[:3] != bytes((3, 2, ndims)):
+        return None
+    index = int.from_bytes(body[3:11], "little")
+    dims = struct.unpack_from(f"<{ndims}I", body, 11)
+    if dims[-1] != itemsize or 0 in dims:
+        return None
+    return index, tuple(dims[:-1])
+
+
+def _only_chunk(pread: Callable[[int, int], bytes], index: int, ndims: int, size: int,
+                file_size: int) -> int | None:
+    """The file position of the one chunk a v1 B-tree at ``index`` holds: a leaf with one
+    entry, no siblings, keyed at offset 0, unfiltered, of ``size`` bytes inside the file."""
+    need = _BTREE_HEAD.size + _KEY_HEAD.size + 8 * ndims + 8
+    if index == _UNDEFINED or index + need > file_size:
+        return None
+    node = pread(need, index)
+    if len(node) != need:
+        return None
+    sig, kind, level, entries, left, right = _BTREE_HEAD.unpack_from(node)
+    if (sig, kind, level, entries, left, right) != (b"TREE", _RAW_DATA_NODE, 0, 1, _UNDEFINED,
+                                                    _UNDEFINED):
+        return None
+    at = _BTREE_HEAD.size
+    stored, mask = _KEY_HEAD.unpack_from(node, at)
+    at += _KEY_HEAD.size
+    if stored != size or mask != 0 or any(node[at:at + 8 * ndims]):
+        return None
+    offset = int.from_bytes(node[at + 8 * ndims:need], "little")
+    if offset + size > file_size:
+        return None
+    return offset
