@@ -94,25 +94,34 @@ class Server:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--serve"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
         )
+        self._unread = b""  # what came after the last line handed out
 
     def _line(self, timeout: float = 60.0) -> str:
+        """The server's next line. Read from the descriptor with a buffer of our own: a
+        buffered reader could take the writer's pid and its ``DONE`` in one read (a fast save
+        on a busy machine), and ``select`` would then wait for a line already read."""
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError("crash server did not answer")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("crash server exited")
-        return line.strip()
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._unread:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError("crash server did not answer")
+            data = os.read(fd, 4096)
+            if not data:
+                raise RuntimeError("crash server exited")
+            self._unread += data
+        line, self._unread = self._unread.split(b"\n", 1)
+        return line.decode().strip()
 
     def save(self, path: Path, backend: str, seed: int, kill_after: float | None) -> str:
         """Start a save; SIGKILL it after ``kill_after`` seconds. Returns 'killed' or 'done';
         ``self.last_time`` is how long the writer lived."""
         assert self.proc.stdin is not None
         start = time.perf_counter()
-        self.proc.stdin.write(f"SAVE {path} {backend} {seed}\n")
+        self.proc.stdin.write(f"SAVE {path} {backend} {seed}\n".encode())
         self.proc.stdin.flush()
         pid = int(self._line())
         if kill_after is not None:
@@ -132,7 +141,7 @@ class Server:
     def close(self) -> None:
         try:
             assert self.proc.stdin is not None
-            self.proc.stdin.write("QUIT\n")
+            self.proc.stdin.write(b"QUIT\n")
             self.proc.stdin.close()
             self.proc.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):

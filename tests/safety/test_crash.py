@@ -27,11 +27,11 @@ def _scratch(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _tally(backend: str, out: str) -> tuple[int, dict[str, int], list[str]]:
+def _tally(backend: str, out: str, err: str) -> tuple[int, dict[str, int], list[str]]:
     """(kills, outcome -> count, failures) from the soak's report of one backend."""
-    head, *rows = out.strip().splitlines()
+    head, *rows = out.strip().splitlines() or [""]
     found = re.fullmatch(rf"{backend}: (\d+) kills in [0-9.]+ s", head)
-    assert found, out
+    assert found, f"{backend} soak: no report\n{out}\n{err[-4000:]}"
     outcomes: dict[str, int] = {}
     failures: list[str] = []
     for row in rows:
@@ -62,7 +62,7 @@ def test_sigkill_during_saves_never_yields_wrong_data(tmp_path):
             shutil.rmtree(root, ignore_errors=True)
     total = 0
     for backend, ((out, err), code) in done.items():
-        kills, outcomes, failures = _tally(backend, out)
+        kills, outcomes, failures = _tally(backend, out, err)
         assert failures == [], f"{backend}: {failures}"
         assert code == 0, f"{backend}: exit status {code}\n{err[-4000:]}"
         assert kills >= KILLS_PER_BACKEND
