@@ -24,6 +24,7 @@ from ...hardening import (
 )
 from . import shard_index
 from .plain import PlainArray
+from .root_text import RootText, parse_root
 
 
 @dataclass
@@ -109,10 +110,27 @@ def read_json_at(dir_fd: int, key: str) -> Any:
     """The JSON document at ``key`` below the directory ``dir_fd`` (no link followed), with
     the bounds of :func:`scan_local_zarr` (size, nesting) checked on the raw bytes before it is
     parsed. Missing, unreadable or malformed: :class:`IntegrityError`."""
-    raw = _read_small_at(dir_fd, key)
+    return parse_json(read_bytes_at(dir_fd, key), key)
+
+
+def parse_json(raw: bytes, key: str) -> Any:
+    """The JSON document ``raw`` (the bytes of ``key``, bounded in size) parsed after its
+    nesting is checked. Malformed: :class:`IntegrityError`."""
     check_json_depth(raw, key)
     try:
         return json.loads(raw)
+    except ValueError as exc:
+        raise IntegrityError(f"{key}: not valid JSON ({exc})") from None
+
+
+def read_root_at(dir_fd: int, key: str = "zarr.json") -> RootText:
+    """The root document at ``key`` as :func:`read_json_at` reads it, with the text of its
+    consolidated members kept (:mod:`.root_text`: an array's own document is compared with
+    its copy there as text first)."""
+    raw = read_bytes_at(dir_fd, key)
+    check_json_depth(raw, key)
+    try:
+        return parse_root(raw)
     except ValueError as exc:
         raise IntegrityError(f"{key}: not valid JSON ({exc})") from None
 
@@ -123,7 +141,7 @@ _O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 
 _FIRST_READ = 64 << 10  # one read takes a whole array document (about 1 KiB) and more
 
 
-def _read_small_at(dir_fd: int, key: str) -> bytes:
+def read_bytes_at(dir_fd: int, key: str) -> bytes:
     """The bytes of the metadata file ``key`` below ``dir_fd`` (at most
     ``MAX_METADATA_BYTES``): one open and, for a document of less than 64 KiB, one read (a
     read of a regular file returns fewer bytes than asked only at its end)."""
