@@ -108,8 +108,13 @@ def json_depth(raw: str | bytes, block: int = 1 << 22) -> int:
     strings, and brackets count only outside them. For malformed text the figure is an
     estimate; the parser that follows reports the error."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
-    data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    if b"\\" in data:
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
     data = data.translate(None, _NOT_STRUCTURE)  # only quotes and brackets matter
+    # two adjacent quotes go (an empty string, or the end of one and the start of the
+    # next): the quotes before any bracket change in number by two, so which brackets lie
+    # inside strings does not change
+    data = data.replace(b'""', b"")
     depth, deepest, quoted = 0, 0, 0
     for at in range(0, len(data), block):
         codes = np.frombuffer(data, np.uint8, min(block, len(data) - at), at)
