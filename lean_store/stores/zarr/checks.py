@@ -59,19 +59,20 @@ def scan_local_zarr(root: Path) -> LocalTree:
         return tree  # the zarr open that follows reports the missing metadata
     pending = [("", 0)]  # iterative, depth-first: no recursion, bounded depth
     base = os.fspath(root)
+    files = tree.files
     while pending:
         prefix, depth = pending.pop()
         try:
-            entries = list(os.scandir(os.path.join(base, prefix) if prefix else base))
+            with os.scandir(f"{base}/{prefix}" if prefix else base) as listing:
+                entries = list(listing)
         except OSError as exc:
             raise IntegrityError(f"{prefix or '.'}: unreadable directory ({exc})") from None
         for entry in entries:
-            key = prefix + entry.name
-            # the directory entry's type (no stat where the file system reports it): a link
-            # or a directory is known without following it; files are stat'ed for their size
-            if entry.is_symlink():
-                raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
+            # the directory entry's type (no stat where the file system reports it): a
+            # directory is known without following it; anything else is lstat'ed (a link
+            # shows there as one) for its type and size
             if entry.is_dir(follow_symlinks=False):
+                key = prefix + entry.name
                 if depth + 1 > MAX_TREE_DEPTH:
                     raise UnsafeFileError(
                         f"{key}: directories nested more than {MAX_TREE_DEPTH} deep inside the "
@@ -80,16 +81,18 @@ def scan_local_zarr(root: Path) -> LocalTree:
                 pending.append((key + "/", depth + 1))
                 continue
             info = entry.stat(follow_symlinks=False)
-            if stat.S_ISLNK(info.st_mode):
-                raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
-            if stat.S_ISDIR(info.st_mode):  # replaced by a directory since it was listed
-                raise IntegrityError(f"{key}: changed while the checkpoint was read")
-            if not stat.S_ISREG(info.st_mode):
-                raise UnsafeFileError(f"{key}: {file_kind(info.st_mode)} inside the checkpoint")
-            if entry.name == "zarr.json":
-                if info.st_size > MAX_METADATA_BYTES:
-                    raise UnsafeFileError(f"{key}: {info.st_size} bytes of metadata")
-            tree.files[key] = info.st_size
+            mode = info.st_mode
+            if not stat.S_ISREG(mode):
+                key = prefix + entry.name
+                if stat.S_ISLNK(mode):
+                    raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
+                if stat.S_ISDIR(mode):  # replaced by a directory since it was listed
+                    raise IntegrityError(f"{key}: changed while the checkpoint was read")
+                raise UnsafeFileError(f"{key}: {file_kind(mode)} inside the checkpoint")
+            size = info.st_size
+            if size > MAX_METADATA_BYTES and entry.name == "zarr.json":
+                raise UnsafeFileError(f"{prefix}zarr.json: {size} bytes of metadata")
+            files[prefix + entry.name] = size
     return tree
 
 
