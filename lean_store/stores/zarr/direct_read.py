@@ -70,28 +70,40 @@ class DirectReader:
         one store (one buffer per thread, not per array)."""
         self._root_fd = root_fd
         self._node = node
-        self._shape = tuple(int(d) for d in array.shape)
-        self._chunks = tuple(int(c) for c in array.chunks)
-        self._key: Callable[[tuple[int, ...]], str] = partial(chunk_key, array)
         if isinstance(array, PlainArray):  # checked when it was described: no re-parsing
-            self._outer, self._blosc, self._key = array.grid, array.compressed, array.key
+            shape, chunks = array.shape, array.chunks  # tuples of ints already
+            self._outer, self._blosc = array.grid, array.compressed
+            self._key: Callable[[tuple[int, ...]], str] = array.key
         else:
-            self._outer = regular_grid(array if doc is None else doc) or self._chunks
+            shape = tuple(int(d) for d in array.shape)
+            chunks = tuple(int(c) for c in array.chunks)
+            self._key = partial(chunk_key, array)
+            self._outer = regular_grid(array if doc is None else doc) or chunks
             # compression="weights": each stored chunk is a Blosc frame + CRC-32C,
             # decompressed here (stores/zarr/blosc_read.py) instead of by zarr's codec pipeline
             self._blosc = blosc_layout(array if doc is None else doc)
-        self._sharded = self._outer != self._chunks
-        self._per_shard = tuple(o // c for o, c in zip(self._outer, self._chunks))
-        self._slots = math.prod(self._per_shard)
+        self._shape, self._chunks = shape, chunks
+        self._sharded = self._outer != chunks
         self._itemsize = int(array.dtype.itemsize)
-        self._chunk_nbytes = math.prod(self._chunks) * self._itemsize
+        self._chunk_nbytes = math.prod(chunks) * self._itemsize
         self._array = array
         self._indexes: dict[tuple[int, ...], np.ndarray] = {}
-        self._grid = tuple(-(-d // c) for d, c in zip(self._shape, self._chunks))
-        # one chunk (a prefix of its bytes: row-block edge) holds the whole, non-empty array
-        self._origin = (0,) * len(self._shape)
-        self._one_chunk = all(g == 1 for g in self._grid) and all(self._shape) \
-            and self._is_prefix(self._shape)
+        self._origin = (0,) * len(shape)
+        if shape == chunks and not self._sharded:  # one chunk, the array's own shape
+            self._per_shard = self._grid = (1,) * len(shape)
+            self._slots = 1
+            # one chunk holds the whole, non-empty array
+            self._one_chunk = self._crc_ok = 0 not in shape
+        else:
+            self._per_shard = tuple(o // c for o, c in zip(self._outer, chunks))
+            self._slots = math.prod(self._per_shard)
+            self._grid = tuple(-(-d // c) for d, c in zip(shape, chunks))
+            # one chunk (a prefix of its bytes: row-block edge) holds the whole, non-empty array
+            self._one_chunk = all(g == 1 for g in self._grid) and all(shape) \
+                and self._is_prefix(shape)
+            edge = tuple(d - (g - 1) * c for d, c, g in zip(shape, chunks, self._grid))
+            self._crc_ok = all(self._grid) and self._is_prefix(edge)
+        self._crc_ok = self._crc_ok and not self._blosc
         # chunk number (C order) -> CRC-32C of the words of that chunk as last read (checked,
         # or to be checked by :meth:`check_chunk`): the digest of a whole-tensor read follows
         self.word_crcs: dict[int, int | None] = {}
@@ -139,8 +151,7 @@ class DirectReader:
         """Whether every whole-chunk read of this array records its words' CRC-32C in
         :attr:`word_crcs`: uncompressed chunks whose part inside the array (at its edge too)
         is a prefix of the chunk's bytes (row blocks)."""
-        edge = tuple(d - (g - 1) * c for d, c, g in zip(self._shape, self._chunks, self._grid))
-        return not self._blosc and all(self._grid) and self._is_prefix(edge)
+        return self._crc_ok
 
     def read_unchecked(self, start: tuple[int, ...], out: np.ndarray) -> bool:
         """The whole chunk at ``start`` into the C-contiguous ``out`` without its CRC-32C
