@@ -88,7 +88,7 @@ class DirectReader:
         self._chunk_nbytes = math.prod(chunks) * self._itemsize
         self._array = array
         self._indexes: dict[tuple[int, ...], np.ndarray] = {}
-        self._origin = (0,) * len(shape)
+        self._origin, self._ones = (0,) * len(shape), (1,) * len(shape)
         if shape == chunks and not self._sharded:  # one chunk, the array's own shape
             self._per_shard = self._grid = (1,) * len(shape)
             self._slots = 1
@@ -117,8 +117,8 @@ class DirectReader:
         # items as opaque void scalars: no extra axis, so rank-32 tensors stay within numpy 1's
         # 32-dimension limit
         flat = out.reshape(-1).view(np.uint8)
-        if self._one_chunk and count == self._shape and not any(start) \
-                and all(s == 1 for s in step):  # the whole array, one chunk: its one read
+        if self._one_chunk and count == self._shape and start == self._origin \
+                and step == self._ones:  # the whole array, one chunk: its one read
             self.word_crcs[0] = self._read_chunk(self._origin, flat)
             return
         item = np.dtype((np.void, self._itemsize))
@@ -212,12 +212,11 @@ class DirectReader:
                 # the file is the chunk and its CRC: read with one byte more than it should
                 # hold, so that a longer file shows without an fstat
                 pad = size - dst.size
-                tail = np.empty(pad + 5, np.uint8)  # google_crc32c takes numpy arrays and bytes
+                tail: Any = bytearray(pad + 5)  # the padding, the CRC and one byte more
                 got = os.preadv(fd, [dst, tail], 0)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
                 if got != size + 4:
                     has = f"more than {size + 4}" if got > size + 4 else str(got)
                     raise self._fail(coords, f"file {key!r} has {has} bytes, not {size + 4}")
-                tail = tail[:-1]
             else:
                 got, nbytes, stored, tail, pad = self._read_part(fd, key, shard, inner, coords, dst)
         except OSError as exc:
@@ -232,11 +231,11 @@ class DirectReader:
             return None
         if got != size + 4:
             raise self._fail(coords, f"is truncated ({got} of {size + 4} bytes)")
-        recorded = int.from_bytes(tail[pad:].tobytes(), "little")
+        recorded = int.from_bytes(bytes(tail[pad:pad + 4]), "little")
         if not check:
             return recorded
         words = google_crc32c.value(dst)
-        crc = google_crc32c.extend(words, tail[:pad]) if pad else words
+        crc = google_crc32c.extend(words, bytes(tail[:pad])) if pad else words
         if crc != recorded:
             raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")
         return words
