@@ -55,6 +55,8 @@ def test_depth_equals_the_lexers_on_random_text(seed: int) -> None:
 @pytest.mark.parametrize("text", [
     b'{"a": "[[[", "b": [[]]}', b'["\\"[", [["]"]]]', b'"" "" [""] {"": [{}]}',
     b'{"layout": "[{\\"k\\":[1]}]", "x": [[[[1]]]]}', b'["\\\\", [[]]]', b"",
+    b'["\\"[", [[[{"a": "]]"}]]], "x\\\\", [[]], "\\""]', b'[[["\\\\"]]]',
+    b'"\\\\\\"" [[', b'{"a": "x\\u005b"} [[[]]]',
 ])
 def test_depth_of_examples(text: bytes) -> None:
     assert json_depth(text) == _lexer_depth(text)
