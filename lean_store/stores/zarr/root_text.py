@@ -124,6 +124,9 @@ def _object(text: str, at: int, path: tuple[str, ...]
                 assert spans is not None
                 spans[key] = (at, end)
         out[key] = value
+        if text[end:end + 1] == ",":  # the next key's whitespace is _KEY's
+            at = end + 1
+            continue
         found = _NEXT.match(text, end)
         if found is None:
             raise _NotTaken
