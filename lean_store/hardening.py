@@ -108,8 +108,16 @@ def json_depth(raw: str | bytes, block: int = 1 << 22) -> int:
     strings, and brackets count only outside them. For malformed text the figure is an
     estimate; the parser that follows reports the error."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
-    data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    first = data.find(b"\\")
+    if first >= 0:  # the escapes lie between the first backslash and the byte after the last
+        end = data.rfind(b"\\") + 2
+        data = data[:first] + data[first:end].replace(b"\\\\", b"").replace(b'\\"', b"") \
+            + data[end:]
     data = data.translate(None, _NOT_STRUCTURE)  # only quotes and brackets matter
+    # two adjacent quotes go (an empty string, or the end of one and the start of the
+    # next): the quotes before any bracket change in number by two, so which brackets lie
+    # inside strings does not change
+    data = data.replace(b'""', b"")
     depth, deepest, quoted = 0, 0, 0
     for at in range(0, len(data), block):
         codes = np.frombuffer(data, np.uint8, min(block, len(data) - at), at)
@@ -124,11 +132,14 @@ def json_depth(raw: str | bytes, block: int = 1 << 22) -> int:
     return deepest
 
 
+_COUNTED_BELOW = 1 << 16  # a short text's brackets are counted first; a long one has many
+
+
 def check_json_depth(raw: str | bytes, where: str, limit: int = MAX_JSON_DEPTH) -> None:
     """:class:`UnsafeFileError` when JSON text nests deeper than ``limit`` (checked before any
     parser recurses into it)."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-    if data.count(b"[") + data.count(b"{") <= limit:
+    if len(data) < _COUNTED_BELOW and data.count(b"[") + data.count(b"{") <= limit:
         return  # cannot nest deeper than it has brackets
     depth = json_depth(data)
     if depth > limit:

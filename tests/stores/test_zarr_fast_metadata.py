@@ -188,13 +188,18 @@ def test_open_reads_only_the_root_document(tmp_path: Path, monkeypatch: pytest.M
     path = tmp_path / "ck.zarr"
     ls.save(STATE, path, chunk_bytes=1024)
     read: list[str] = []
-    real = zarr_store.read_json_at
+    real_root, real_bytes = zarr_store.read_root_at, zarr_store.read_bytes_at
 
-    def spy(dir_fd: int, key: str):
+    def spy_root(dir_fd: int, key: str = "zarr.json"):
         read.append(key)
-        return real(dir_fd, key)
+        return real_root(dir_fd, key)
 
-    monkeypatch.setattr(zarr_store, "read_json_at", spy)
+    def spy_bytes(dir_fd: int, key: str):
+        read.append(key)
+        return real_bytes(dir_fd, key)
+
+    monkeypatch.setattr(zarr_store, "read_root_at", spy_root)
+    monkeypatch.setattr(zarr_store, "read_bytes_at", spy_bytes)
     opened = zarr.open_array
 
     def no_open_array(*args, **kwargs):

@@ -297,12 +297,12 @@ def test_metadata_read_whole_and_bounded(tmp_path: Path, monkeypatch: pytest.Mon
     (tmp_path / "f").write_bytes(data)
     fd = os.open(tmp_path, os.O_RDONLY)
     try:
-        assert checks._read_small_at(fd, "f") == data
+        assert checks.read_bytes_at(fd, "f") == data
         monkeypatch.setattr(checks, "MAX_METADATA_BYTES", 65536)
         if size > 65536:
             with pytest.raises(ls.UnsafeFileError, match="more than 65536 bytes"):
-                checks._read_small_at(fd, "f")
+                checks.read_bytes_at(fd, "f")
         else:
-            assert checks._read_small_at(fd, "f") == data
+            assert checks.read_bytes_at(fd, "f") == data
     finally:
         os.close(fd)

@@ -24,6 +24,7 @@ from ...hardening import (
 )
 from . import shard_index
 from .plain import PlainArray
+from .root_text import RootText, parse_root
 
 
 @dataclass
@@ -58,19 +59,20 @@ def scan_local_zarr(root: Path) -> LocalTree:
         return tree  # the zarr open that follows reports the missing metadata
     pending = [("", 0)]  # iterative, depth-first: no recursion, bounded depth
     base = os.fspath(root)
+    files = tree.files
     while pending:
         prefix, depth = pending.pop()
         try:
-            entries = list(os.scandir(os.path.join(base, prefix) if prefix else base))
+            with os.scandir(f"{base}/{prefix}" if prefix else base) as listing:
+                entries = list(listing)
         except OSError as exc:
             raise IntegrityError(f"{prefix or '.'}: unreadable directory ({exc})") from None
         for entry in entries:
-            key = prefix + entry.name
-            # the directory entry's type (no stat where the file system reports it): a link
-            # or a directory is known without following it; files are stat'ed for their size
-            if entry.is_symlink():
-                raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
+            # the directory entry's type (no stat where the file system reports it): a
+            # directory is known without following it; anything else is lstat'ed (a link
+            # shows there as one) for its type and size
             if entry.is_dir(follow_symlinks=False):
+                key = prefix + entry.name
                 if depth + 1 > MAX_TREE_DEPTH:
                     raise UnsafeFileError(
                         f"{key}: directories nested more than {MAX_TREE_DEPTH} deep inside the "
@@ -79,16 +81,18 @@ def scan_local_zarr(root: Path) -> LocalTree:
                 pending.append((key + "/", depth + 1))
                 continue
             info = entry.stat(follow_symlinks=False)
-            if stat.S_ISLNK(info.st_mode):
-                raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
-            if stat.S_ISDIR(info.st_mode):  # replaced by a directory since it was listed
-                raise IntegrityError(f"{key}: changed while the checkpoint was read")
-            if not stat.S_ISREG(info.st_mode):
-                raise UnsafeFileError(f"{key}: {file_kind(info.st_mode)} inside the checkpoint")
-            if entry.name == "zarr.json":
-                if info.st_size > MAX_METADATA_BYTES:
-                    raise UnsafeFileError(f"{key}: {info.st_size} bytes of metadata")
-            tree.files[key] = info.st_size
+            mode = info.st_mode
+            if not stat.S_ISREG(mode):
+                key = prefix + entry.name
+                if stat.S_ISLNK(mode):
+                    raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
+                if stat.S_ISDIR(mode):  # replaced by a directory since it was listed
+                    raise IntegrityError(f"{key}: changed while the checkpoint was read")
+                raise UnsafeFileError(f"{key}: {file_kind(mode)} inside the checkpoint")
+            size = info.st_size
+            if size > MAX_METADATA_BYTES and entry.name == "zarr.json":
+                raise UnsafeFileError(f"{prefix}zarr.json: {size} bytes of metadata")
+            files[prefix + entry.name] = size
     return tree
 
 
@@ -109,10 +113,27 @@ def read_json_at(dir_fd: int, key: str) -> Any:
     """The JSON document at ``key`` below the directory ``dir_fd`` (no link followed), with
     the bounds of :func:`scan_local_zarr` (size, nesting) checked on the raw bytes before it is
     parsed. Missing, unreadable or malformed: :class:`IntegrityError`."""
-    raw = _read_small_at(dir_fd, key)
+    return parse_json(read_bytes_at(dir_fd, key), key)
+
+
+def parse_json(raw: bytes, key: str) -> Any:
+    """The JSON document ``raw`` (the bytes of ``key``, bounded in size) parsed after its
+    nesting is checked. Malformed: :class:`IntegrityError`."""
     check_json_depth(raw, key)
     try:
         return json.loads(raw)
+    except ValueError as exc:
+        raise IntegrityError(f"{key}: not valid JSON ({exc})") from None
+
+
+def read_root_at(dir_fd: int, key: str = "zarr.json") -> RootText:
+    """The root document at ``key`` as :func:`read_json_at` reads it, with the text of its
+    consolidated members kept (:mod:`.root_text`: an array's own document is compared with
+    its copy there as text first)."""
+    raw = read_bytes_at(dir_fd, key)
+    check_json_depth(raw, key)
+    try:
+        return parse_root(raw)
     except ValueError as exc:
         raise IntegrityError(f"{key}: not valid JSON ({exc})") from None
 
@@ -123,7 +144,7 @@ _O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 
 _FIRST_READ = 64 << 10  # one read takes a whole array document (about 1 KiB) and more
 
 
-def _read_small_at(dir_fd: int, key: str) -> bytes:
+def read_bytes_at(dir_fd: int, key: str) -> bytes:
     """The bytes of the metadata file ``key`` below ``dir_fd`` (at most
     ``MAX_METADATA_BYTES``): one open and, for a document of less than 64 KiB, one read (a
     read of a regular file returns fewer bytes than asked only at its end)."""

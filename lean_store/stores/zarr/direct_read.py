@@ -70,28 +70,40 @@ class DirectReader:
         one store (one buffer per thread, not per array)."""
         self._root_fd = root_fd
         self._node = node
-        self._shape = tuple(int(d) for d in array.shape)
-        self._chunks = tuple(int(c) for c in array.chunks)
-        self._key: Callable[[tuple[int, ...]], str] = partial(chunk_key, array)
         if isinstance(array, PlainArray):  # checked when it was described: no re-parsing
-            self._outer, self._blosc, self._key = array.grid, array.compressed, array.key
+            shape, chunks = array.shape, array.chunks  # tuples of ints already
+            self._outer, self._blosc = array.grid, array.compressed
+            self._key: Callable[[tuple[int, ...]], str] = array.key
         else:
-            self._outer = regular_grid(array if doc is None else doc) or self._chunks
+            shape = tuple(int(d) for d in array.shape)
+            chunks = tuple(int(c) for c in array.chunks)
+            self._key = partial(chunk_key, array)
+            self._outer = regular_grid(array if doc is None else doc) or chunks
             # compression="weights": each stored chunk is a Blosc frame + CRC-32C,
             # decompressed here (stores/zarr/blosc_read.py) instead of by zarr's codec pipeline
             self._blosc = blosc_layout(array if doc is None else doc)
-        self._sharded = self._outer != self._chunks
-        self._per_shard = tuple(o // c for o, c in zip(self._outer, self._chunks))
-        self._slots = math.prod(self._per_shard)
+        self._shape, self._chunks = shape, chunks
+        self._sharded = self._outer != chunks
         self._itemsize = int(array.dtype.itemsize)
-        self._chunk_nbytes = math.prod(self._chunks) * self._itemsize
+        self._chunk_nbytes = math.prod(chunks) * self._itemsize
         self._array = array
         self._indexes: dict[tuple[int, ...], np.ndarray] = {}
-        self._grid = tuple(-(-d // c) for d, c in zip(self._shape, self._chunks))
-        # one chunk (a prefix of its bytes: row-block edge) holds the whole, non-empty array
-        self._origin = (0,) * len(self._shape)
-        self._one_chunk = all(g == 1 for g in self._grid) and all(self._shape) \
-            and self._is_prefix(self._shape)
+        self._origin, self._ones = (0,) * len(shape), (1,) * len(shape)
+        if shape == chunks and not self._sharded:  # one chunk, the array's own shape
+            self._per_shard = self._grid = (1,) * len(shape)
+            self._slots = 1
+            # one chunk holds the whole, non-empty array
+            self._one_chunk = self._crc_ok = 0 not in shape
+        else:
+            self._per_shard = tuple(o // c for o, c in zip(self._outer, chunks))
+            self._slots = math.prod(self._per_shard)
+            self._grid = tuple(-(-d // c) for d, c in zip(shape, chunks))
+            # one chunk (a prefix of its bytes: row-block edge) holds the whole, non-empty array
+            self._one_chunk = all(g == 1 for g in self._grid) and all(shape) \
+                and self._is_prefix(shape)
+            edge = tuple(d - (g - 1) * c for d, c, g in zip(shape, chunks, self._grid))
+            self._crc_ok = all(self._grid) and self._is_prefix(edge)
+        self._crc_ok = self._crc_ok and not self._blosc
         # chunk number (C order) -> CRC-32C of the words of that chunk as last read (checked,
         # or to be checked by :meth:`check_chunk`): the digest of a whole-tensor read follows
         self.word_crcs: dict[int, int | None] = {}
@@ -105,8 +117,8 @@ class DirectReader:
         # items as opaque void scalars: no extra axis, so rank-32 tensors stay within numpy 1's
         # 32-dimension limit
         flat = out.reshape(-1).view(np.uint8)
-        if self._one_chunk and count == self._shape and not any(start) \
-                and all(s == 1 for s in step):  # the whole array, one chunk: its one read
+        if self._one_chunk and count == self._shape and start == self._origin \
+                and step == self._ones:  # the whole array, one chunk: its one read
             self.word_crcs[0] = self._read_chunk(self._origin, flat)
             return
         item = np.dtype((np.void, self._itemsize))
@@ -139,8 +151,7 @@ class DirectReader:
         """Whether every whole-chunk read of this array records its words' CRC-32C in
         :attr:`word_crcs`: uncompressed chunks whose part inside the array (at its edge too)
         is a prefix of the chunk's bytes (row blocks)."""
-        edge = tuple(d - (g - 1) * c for d, c, g in zip(self._shape, self._chunks, self._grid))
-        return not self._blosc and all(self._grid) and self._is_prefix(edge)
+        return self._crc_ok
 
     def read_unchecked(self, start: tuple[int, ...], out: np.ndarray) -> bool:
         """The whole chunk at ``start`` into the C-contiguous ``out`` without its CRC-32C
@@ -201,12 +212,11 @@ class DirectReader:
                 # the file is the chunk and its CRC: read with one byte more than it should
                 # hold, so that a longer file shows without an fstat
                 pad = size - dst.size
-                tail = np.empty(pad + 5, np.uint8)  # google_crc32c takes numpy arrays and bytes
+                tail: Any = bytearray(pad + 5)  # the padding, the CRC and one byte more
                 got = os.preadv(fd, [dst, tail], 0)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
                 if got != size + 4:
                     has = f"more than {size + 4}" if got > size + 4 else str(got)
                     raise self._fail(coords, f"file {key!r} has {has} bytes, not {size + 4}")
-                tail = tail[:-1]
             else:
                 got, nbytes, stored, tail, pad = self._read_part(fd, key, shard, inner, coords, dst)
         except OSError as exc:
@@ -221,11 +231,11 @@ class DirectReader:
             return None
         if got != size + 4:
             raise self._fail(coords, f"is truncated ({got} of {size + 4} bytes)")
-        recorded = int.from_bytes(tail[pad:].tobytes(), "little")
+        recorded = int.from_bytes(bytes(tail[pad:pad + 4]), "little")
         if not check:
             return recorded
         words = google_crc32c.value(dst)
-        crc = google_crc32c.extend(words, tail[:pad]) if pad else words
+        crc = google_crc32c.extend(words, bytes(tail[:pad])) if pad else words
         if crc != recorded:
             raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")
         return words

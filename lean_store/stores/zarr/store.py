@@ -46,7 +46,9 @@ from .checks import (
     check_zarr_key,
     check_zarr_keys_exist,
     check_zarr_present,
-    read_json_at,
+    parse_json,
+    read_bytes_at,
+    read_root_at,
     scan_local_zarr,
     touched_keys,
 )
@@ -65,6 +67,7 @@ from .direct_read import DirectReader, direct_read_ok
 from .direct_write import DirectWriter, direct_ok, make_dirs, write_all
 from .incremental import linker_for
 from .plain import PlainArray, plain_members, plain_root
+from .root_text import RootText
 from .verify import structure_problems
 
 _COMPRESSOR_NAMES = {"ZstdCodec": "zstd", "GzipCodec": "gzip", "BloscCodec": "blosc"}
@@ -454,12 +457,14 @@ class ZarrReader(StoreReader):
         self._members: dict[str, zarr.Array] | None = None
         self._plain: dict[str, PlainArray] | None = None
         self._group_handle: zarr.Group | None = None
+        self._root_text: RootText | None = None  # the root read, its members' text kept
         root_doc: Any = None
         pinned = isinstance(self._watch, PinnedRoot) and self._tree is not None
         if pinned and "zarr.json" in self._tree.files:  # type: ignore[union-attr]
             assert isinstance(self._watch, PinnedRoot)
             try:
-                root_doc = read_json_at(self._watch.fd, "zarr.json")
+                self._root_text = read_root_at(self._watch.fd)
+                root_doc = self._root_text.doc
             except IntegrityError:
                 root_doc = None  # zarr's open below reports it
             # lean_store's own layout, consolidated: every array described from the root
@@ -488,7 +493,8 @@ class ZarrReader(StoreReader):
         elif pinned:
             if root_doc is None:
                 assert isinstance(self._watch, PinnedRoot)
-                root_doc = read_json_at(self._watch.fd, "zarr.json")
+                self._root_text = read_root_at(self._watch.fd)
+                root_doc = self._root_text.doc
             attrs = root_doc.get("attributes") if isinstance(root_doc, dict) else None
             if not isinstance(attrs, dict) or attrs.get("save_id") != self.root_attrs.get(
                     "save_id"):  # the path now names another save than the directory pinned
@@ -595,8 +601,12 @@ class ZarrReader(StoreReader):
             and self._members.get(node) is array)
         if described and self._copies is not None and node in self._copies:
             assert isinstance(self._watch, PinnedRoot)
-            own = read_json_at(self._watch.fd, f"{node}/zarr.json")
-            if own != self._copies[node]:
+            key = f"{node}/zarr.json"
+            raw = read_bytes_at(self._watch.fd, key)
+            # the text written for both (lean_store's saves, zarr's consolidation): equal
+            # without a parse; any other text is parsed and compared as values
+            if (self._root_text is None or not self._root_text.same_text(node, raw)) \
+                    and parse_json(raw, key) != self._copies[node]:
                 raise IntegrityError(
                     f"{node!r}: {node}/zarr.json disagrees with its copy in the consolidated "
                     "metadata of the root zarr.json; the store was altered after it was written"
