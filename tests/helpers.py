@@ -8,6 +8,10 @@ import numpy as np
 
 import lean_store as ls
 from lean_store import formats
+from lean_store.formats import of_numpy_dtype
+from lean_store.layout import Layout
+from lean_store.sources.base import SourceTensor, TensorSource
+from lean_store.stream import CopyEngine
 
 CONFIGURED = [
     formats.binary(5, 6),  # 12-bit IEEE-like
@@ -142,3 +146,48 @@ def frozen_backbone_model() -> Any:
     for p in list(model.parameters())[:2]:
         p.requires_grad_(False)
     return model
+
+
+# -------------------------------------------------------------- a fake device source
+
+class FakeDeviceEngine(CopyEngine):
+    """A fake device whose copies land in the pooled host buffers at once."""
+
+    def allocate(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8)
+
+    def nbytes(self, tensor: Any, region: Any) -> int:
+        return int(tensor.data[region].nbytes)
+
+    def start(self, tensor: Any, region: Any, buffer: np.ndarray) -> Any:
+        src = tensor.data[region]
+        dst = buffer[: src.nbytes].view(src.dtype).reshape(src.shape)
+        dst[...] = src
+        return lambda: dst
+
+
+class FakeDeviceTensor(SourceTensor):
+    device = "fake:0"
+    stable_reads = True  # claimed, but its units come through reused staging buffers
+
+    def __init__(self, data: np.ndarray, engine: FakeDeviceEngine) -> None:
+        self.data = data
+        self.stage_engine = engine
+
+    def read(self, region: Any) -> np.ndarray:  # pragma: no cover - staged, never read
+        raise AssertionError("a device tensor goes through its engine")
+
+
+class FakeDeviceSource(TensorSource):
+    """A state of "device" tensors (numpy arrays behind a fake copy engine): its units come
+    through the save's reused staging buffers, as a CUDA state's do."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        self.arrays = arrays
+        self.engine = FakeDeviceEngine()
+        self.layout = Layout.from_specs(
+            [(n, a.shape, of_numpy_dtype(a.dtype)) for n, a in arrays.items()])
+
+    def tensors(self) -> Any:
+        for entry in self.layout:
+            yield entry, FakeDeviceTensor(self.arrays[entry.name], self.engine)

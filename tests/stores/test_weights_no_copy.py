@@ -12,17 +12,13 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from helpers import without_save_id, zarr_layout_state
+from helpers import FakeDeviceSource, without_save_id, zarr_layout_state
 
 import lean_store as ls
 from lean_store import writing
-from lean_store.formats import of_numpy_dtype
-from lean_store.layout import Layout
-from lean_store.sources.base import SourceTensor, TensorSource
 from lean_store.sources.numpy_source import ArraySourceTensor
 from lean_store.stores.hdf5 import blosc as hdf5_blosc
 from lean_store.stores.zarr.direct_write import BloscSettings
-from lean_store.stream import CopyEngine
 
 RNG = np.random.default_rng(15)
 
@@ -120,46 +116,6 @@ def test_stable_chunks_bytes_equal_in_order_path(tmp_path: Path,
             assert np.asarray(back[name]).tobytes() == np.asarray(value).tobytes(), name
 
 
-class _Engine(CopyEngine):
-    """A fake device whose copies land in the pooled host buffers at once."""
-
-    def allocate(self, nbytes: int) -> np.ndarray:
-        return np.empty(nbytes, np.uint8)
-
-    def nbytes(self, tensor: Any, region: Any) -> int:
-        return int(tensor.data[region].nbytes)
-
-    def start(self, tensor: Any, region: Any, buffer: np.ndarray) -> Any:
-        src = tensor.data[region]
-        dst = buffer[: src.nbytes].view(src.dtype).reshape(src.shape)
-        dst[...] = src
-        return lambda: dst
-
-
-class _DeviceTensor(SourceTensor):
-    device = "fake:0"
-    stable_reads = True  # claimed, but its units come through reused staging buffers
-
-    def __init__(self, data: np.ndarray, engine: _Engine) -> None:
-        self.data = data
-        self.stage_engine = engine
-
-    def read(self, region: Any) -> np.ndarray:  # pragma: no cover - staged, never read
-        raise AssertionError("a device tensor goes through its engine")
-
-
-class _DeviceSource(TensorSource):
-    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
-        self.arrays = arrays
-        self.engine = _Engine()
-        self.layout = Layout.from_specs(
-            [(n, a.shape, of_numpy_dtype(a.dtype)) for n, a in arrays.items()])
-
-    def tensors(self) -> Any:
-        for entry in self.layout:
-            yield entry, _DeviceTensor(self.arrays[entry.name], self.engine)
-
-
 @pytest.mark.parametrize("suffix", [".h5", ".zarr"])
 def test_staged_units_still_copied(tmp_path: Path, suffix: str) -> None:
     """Units staged through two reused host buffers are compressed from copies: the buffers
@@ -167,7 +123,7 @@ def test_staged_units_still_copied(tmp_path: Path, suffix: str) -> None:
     still comes back exactly."""
     arrays = {f"w{i}": RNG.standard_normal((256, 1024), dtype=np.float32) for i in range(6)}
     path = tmp_path / f"ck{suffix}"
-    writing.write_source(_DeviceSource(arrays), path, kind="state", chunk_bytes=1 << 20,
+    writing.write_source(FakeDeviceSource(arrays), path, kind="state", chunk_bytes=1 << 20,
                          buffer_bytes=2 << 20, compression="weights")
     back = ls.load_state(path)
     for name, value in arrays.items():

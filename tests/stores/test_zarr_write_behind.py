@@ -12,17 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from helpers import without_save_id, zarr_layout_state
+from helpers import FakeDeviceSource, without_save_id, zarr_layout_state
 
 import lean_store as ls
 from lean_store import writing
-from lean_store.formats import of_numpy_dtype
 from lean_store.integrity import crc32c_of
-from lean_store.layout import Layout
-from lean_store.sources.base import SourceTensor, TensorSource
 from lean_store.sources.numpy_source import ArraySourceTensor
 from lean_store.stores.zarr.direct_write import DirectWriter
-from lean_store.stream import CopyEngine
 
 RNG = np.random.default_rng(11)
 STATE = zarr_layout_state(11, several_shards=True)
@@ -192,46 +188,6 @@ def test_tensors_closed_in_save_order(tmp_path: Path, monkeypatch: pytest.Monkey
         ck.verify()
 
 
-class _Engine(CopyEngine):
-    """A fake device whose copies land in the pooled host buffers at once."""
-
-    def allocate(self, nbytes: int) -> np.ndarray:
-        return np.empty(nbytes, np.uint8)
-
-    def nbytes(self, tensor: Any, region: Any) -> int:
-        return int(tensor.data[region].nbytes)
-
-    def start(self, tensor: Any, region: Any, buffer: np.ndarray) -> Any:
-        src = tensor.data[region]
-        dst = buffer[: src.nbytes].view(src.dtype).reshape(src.shape)
-        dst[...] = src
-        return lambda: dst
-
-
-class _DeviceTensor(SourceTensor):
-    device = "fake:0"
-    stable_reads = True  # claimed, but its units come through reused staging buffers
-
-    def __init__(self, data: np.ndarray, engine: _Engine) -> None:
-        self.data = data
-        self.stage_engine = engine
-
-    def read(self, region: Any) -> np.ndarray:  # pragma: no cover - staged, never read
-        raise AssertionError("a device tensor goes through its engine")
-
-
-class _DeviceSource(TensorSource):
-    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
-        self.arrays = arrays
-        self.engine = _Engine()
-        self.layout = Layout.from_specs(
-            [(n, a.shape, of_numpy_dtype(a.dtype)) for n, a in arrays.items()])
-
-    def tensors(self) -> Any:
-        for entry in self.layout:
-            yield entry, _DeviceTensor(self.arrays[entry.name], self.engine)
-
-
 @pytest.mark.parametrize("suffix", [".zarr", ".h5"])
 def test_staged_device_units_are_written_in_order(tmp_path: Path, suffix: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,7 +198,7 @@ def test_staged_device_units_are_written_in_order(tmp_path: Path, suffix: str,
     arrays = {f"w{i}": RNG.standard_normal((512, 1024), dtype=np.float32) for i in range(3)}
     path = tmp_path / f"ck{suffix}"
     # 1 MiB chunks (HDF5: allocated at creation, as for units written behind), 2 buffers
-    writing.write_source(_DeviceSource(arrays), path, kind="state", chunk_bytes=1 << 20,
+    writing.write_source(FakeDeviceSource(arrays), path, kind="state", chunk_bytes=1 << 20,
                          buffer_bytes=2 << 20)
     assert spy.calls == 0 and spy.most == 0  # nothing handed to the workers whole
     back = ls.load_state(path)
