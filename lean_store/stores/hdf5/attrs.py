@@ -120,19 +120,83 @@ def _encode(key: str, value: Any) -> EncodedAttr:
 
 
 def write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> None:
-    """Write ``attrs`` (through :func:`encode_attr`) on the HDF5 object ``oid``: the same file
-    types and dataspaces as ``h5py``'s ``attrs[key] = value``, without its per-attribute
-    overhead (straight into libhdf5 where :mod:`.libhdf5` can, else h5py's low-level API).
-    ``replace``: delete an attribute of the same name first (objects created by the writer
-    have none)."""
-    encoded = [encode_attr(key, value) for key, value in attrs.items()]
+    """Write ``attrs`` (encoded as :func:`encode_attr` encodes them) on the HDF5 object
+    ``oid``: the same file types and dataspaces as ``h5py``'s ``attrs[key] = value``, without
+    its per-attribute overhead (straight into libhdf5 where :mod:`.libhdf5` can, else h5py's
+    low-level API). ``replace``: delete an attribute of the same name first (objects created by
+    the writer have none)."""
     lib = library()
     if replace or lib is None:
-        for attr in encoded:
-            write_encoded(oid, attr, replace=replace)
+        for key, value in attrs.items():
+            write_encoded(oid, encode_attr(key, value), replace=replace)
         return
-    for attr in encoded[lib.write_attrs(oid.id, encoded):]:  # the rest, if one failed
-        write_encoded(oid, attr)
+    items = list(attrs.items())
+    rows = [attr_row(key, value) for key, value in items]
+    for key, value in items[lib.write_attrs(oid.id, rows):]:  # the rest, if one failed
+        write_encoded(oid, encode_attr(key, value))
+
+
+AttrRow = tuple[bytes, int, int, int, bytes]
+"""An attribute ready for ``H5Acreate2`` + ``H5Awrite``: name, file type id, dataspace id,
+memory type id, bytes (the ids are those of :func:`encode_attr`'s kept types and spaces)."""
+
+_Template = tuple[bytes, int, int, int]  # an AttrRow without its bytes
+_INT_TEMPLATES: dict[str, _Template] = {}  # key -> template of an int64 under that key
+_STR_TEMPLATES: dict[tuple[str, int], _Template] = {}  # (key, bytes) -> template of a string
+_ARRAY_TEMPLATES: dict[tuple[str, str, tuple[int, ...]], _Template] = {}  # (key, dtype, shape)
+_TUPLE_ROWS: dict[tuple[str, tuple[Any, ...]], AttrRow] = {}  # (key, a short tuple) -> row
+_INT64 = np.dtype("<i8")
+
+
+def attr_row(key: str, value: Any) -> AttrRow:
+    """``key``, ``value`` as :func:`encode_attr` encodes them, as an :data:`AttrRow`. Ints,
+    strings and 1-D numeric arrays (the values unique to a dataset: index, name, CRCs, CRC
+    table; and a format's parameters) take the types and dataspace of the first value of their
+    kind under that key, and only their bytes are made here (``int.to_bytes``, ``str.encode``,
+    ``ndarray.tobytes``: the bytes numpy gives, without an array); short tuples (shapes) are
+    remembered whole; everything else goes through :func:`encode_attr`."""
+    kind = type(value)
+    if kind is str:
+        raw = value.encode("utf-8") or b"\0"  # an empty string is stored as one NUL byte
+        template = _STR_TEMPLATES.get((key, len(raw)))
+        if template is None:
+            template = _remember(_STR_TEMPLATES, (key, len(raw)), _row(_encode(key, value))[:4])
+        return (*template, raw)
+    if kind is int and _LIMITS[0] <= value <= _LIMITS[1]:
+        template = _INT_TEMPLATES.get(key)
+        if template is None:
+            attr = _encode(key, value)
+            if attr.data.dtype != _INT64:  # not numpy's int64: no short cut
+                return _row(attr)
+            template = _remember(_INT_TEMPLATES, key, _row(attr)[:4])
+        return (*template, value.to_bytes(8, "little", signed=True))
+    if kind is np.ndarray and value.ndim == 1 and value.dtype.kind in "iuf" and (
+        value.dtype.metadata is None
+    ):
+        tkey = (key, value.dtype.str, value.shape)
+        template = _ARRAY_TEMPLATES.get(tkey)
+        if template is None:  # (a copy: encoding makes its array read-only)
+            template = _remember(_ARRAY_TEMPLATES, tkey, _row(_encode(key, value.copy()))[:4])
+        return (*template, value.tobytes())
+    if kind is tuple and len(value) <= MAX_REMEMBERED_LEN:
+        row = _TUPLE_ROWS.get((key, value))
+        if row is None:
+            row = _remember(_TUPLE_ROWS, (key, value), _row(encode_attr(key, value)))
+        return row
+    return _row(encode_attr(key, value))
+
+
+def _remember(memo: dict[Any, Any], key: Any, value: Any) -> Any:
+    """``memo[key] = value``, forgetting everything first when ``memo`` is full (the types
+    and dataspaces the values name are kept for good: their ids stay valid)."""
+    if len(memo) >= MAX_ENCODED:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
+def _row(attr: EncodedAttr) -> AttrRow:
+    return attr.name, attr.ftype.id, attr.space.id, attr.mtype.id, attr.raw
 
 
 def write_encoded(oid: Any, attr: EncodedAttr, *, replace: bool = False) -> None:

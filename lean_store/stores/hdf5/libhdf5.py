@@ -162,23 +162,22 @@ class Library:
             fn.restype, fn.argtypes = restype, argtypes
             setattr(self, "_" + name, fn)
 
-    def write_attrs(self, oid: int, attrs: Sequence[Any]) -> int:
-        """Create and write each of ``attrs`` (objects with ``name``, ``raw``, and ``ftype``,
-        ``mtype`` and ``space`` h5py ids) on the object ``oid``, in order; the number written.
-        At the first failure the attribute is removed again and the count so far returned, for
-        the caller to write the rest through h5py (which raises h5py's error if it fails too)."""
+    def write_attrs(self, oid: int, rows: Sequence[tuple[bytes, int, int, int, bytes]]) -> int:
+        """Create and write each attribute of ``rows`` (name, file type id, dataspace id,
+        memory type id, bytes) on the object ``oid``, in order; the number written. At the
+        first failure the attribute is removed again and the count so far returned, for the
+        caller to write the rest through h5py (which raises h5py's error if it fails too)."""
         create, write, close = self._H5Acreate2, self._H5Awrite, self._H5Aclose
         done = 0
         with self._lock:
-            for attr in attrs:
-                aid = create(oid, attr.name, attr.ftype.id, attr.space.id, H5P_DEFAULT,
-                             H5P_DEFAULT)
+            for name, ftype, space, mtype, raw in rows:
+                aid = create(oid, name, ftype, space, H5P_DEFAULT, H5P_DEFAULT)
                 if aid < 0:
                     break
-                ok = write(aid, attr.mtype.id, attr.raw) >= 0
+                ok = write(aid, mtype, raw) >= 0
                 close(aid)
                 if not ok:
-                    self._H5Adelete(oid, attr.name)
+                    self._H5Adelete(oid, name)
                     break
                 done += 1
         return done
