@@ -265,9 +265,7 @@ class Checkpoint(Mapping[str, TensorHandle]):
         entry = self._entry(name)
         pair = (2,) if entry.format.words_per_value == 2 else ()
         out = np.empty(stored_rank_shape(entry) + pair, dtype=entry.format.storage_dtype)
-        with self._reader.checks_deferred():  # ``out`` is handed out only at the end
-            for _ in self.blocks(name, out=out):  # each block is read in place
-                pass
+        self._read_whole(entry, out)
         return out.reshape(entry.shape + pair)
 
     def read(self, name: str) -> np.ndarray | Encoded:
@@ -326,9 +324,7 @@ class Checkpoint(Mapping[str, TensorHandle]):
         shape = stored_rank_shape(entry)
         pair = (2,) if entry.format.words_per_value == 2 else ()
         out = np.empty(shape + pair, dtype=entry.format.storage_dtype)
-        with self._reader.checks_deferred():  # ``out`` is handed out only at the end
-            for _ in self.blocks(name, out=out):  # each block is read in place
-                pass
+        self._read_whole(entry, out)
         return tuple(slice(0, n) for n in shape), out
 
     def verify(self, names: Iterable[str] | None = None) -> None:
@@ -339,6 +335,33 @@ class Checkpoint(Mapping[str, TensorHandle]):
             with self._reader.checks_deferred():
                 for _ in self.blocks(name, reuse=True):
                     pass
+
+    def _read_whole(self, entry: Entry, out: np.ndarray) -> None:
+        """Read the whole tensor into ``out`` (stored shape, storage dtype), every chunk
+        checksum and the digest verified; ``out`` is handed out only by the caller, after.
+
+        A tensor stored as one chunk (most tensors of a model state) is one region: it is read
+        here with the same store calls, in the same order, as :meth:`_stream` makes for it
+        (table looked up first, the store's checked read, the digest from the table's entry
+        read after it, or a CRC pass without a table), without building the block stream."""
+        info = self._stored[entry.name]
+        shape = stored_rank_shape(entry)
+        reader = self._reader
+        with reader.checks_deferred():  # ``out`` is handed out only at the end
+            if info.chunk_shape != shape or entry.name in self._shards or 0 in shape:
+                for _ in self.blocks(entry.name, out=out):  # each block is read in place
+                    pass
+                return
+            table = reader.chunk_crcs(info.node)
+            words = reader.read(info.node, Selection.of_region(tuple(slice(0, n) for n in shape)),
+                                entry.format, out=out)
+            expected = info.attrs.get("crc32c")
+            if expected is None:
+                return
+            crc = int(table[0]) if table is not None else crc32c_update(0, words)
+            if crc != expected:
+                reader.check_current()  # replaced while read: not damage
+                raise IntegrityError(_digest_mismatch(entry.name, crc, expected))
 
     # ------------------------------------------------------- the one verified stream
 
@@ -358,8 +381,7 @@ class Checkpoint(Mapping[str, TensorHandle]):
         expected = info.attrs.get("crc32c")
 
         def mismatch(crc: int, recorded: int) -> str:
-            return (f"tensor {entry.name!r}: crc32c {crc:#010x} does not match the recorded "
-                    f"{recorded:#010x}; the checkpoint is corrupt")
+            return _digest_mismatch(entry.name, crc, recorded)
 
         overlap = table is not None and _worth_overlap(info, entry)
         return self._stream(entry, iter_regions(shape, unit), table, expected, mismatch, out,
@@ -517,6 +539,11 @@ class Checkpoint(Mapping[str, TensorHandle]):
 
     def __repr__(self) -> str:
         return f"<lean_store.Checkpoint {self.backend} {str(self.path)!r} {len(self)} tensors>"
+
+
+def _digest_mismatch(name: str, crc: int, recorded: int) -> str:
+    return (f"tensor {name!r}: crc32c {crc:#010x} does not match the recorded "
+            f"{recorded:#010x}; the checkpoint is corrupt")
 
 
 def _worth_overlap(stored: StoredTensor, entry: Entry) -> bool:

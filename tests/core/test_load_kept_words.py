@@ -5,6 +5,7 @@ targets are filled by numpy's copy, block by block as well as whole."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import lean_store as ls
 import lean_store.checkpoint as checkpoint_module
 from lean_store.checkpoint import Checkpoint
 from lean_store.errors import IntegrityError
+from lean_store.layout import Entry
 
 torch = pytest.importorskip("torch")
 
@@ -35,13 +37,24 @@ def _state() -> dict[str, np.ndarray]:
 
 def _reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     counts: Counter[str] = Counter()
-    blocks = Checkpoint.blocks
+    blocks, read_whole = Checkpoint.blocks, Checkpoint._read_whole
+    inside = threading.local()  # a whole read's own blocks are that one read (per thread)
 
     def counting(self: Checkpoint, name: str, **kwargs: object):  # type: ignore[no-untyped-def]
-        counts[name] += 1
+        if not getattr(inside, "now", False):
+            counts[name] += 1
         return blocks(self, name, **kwargs)  # type: ignore[arg-type]
 
+    def counting_whole(self: Checkpoint, entry: Entry, out: np.ndarray) -> None:
+        counts[entry.name] += 1
+        inside.now = True
+        try:
+            read_whole(self, entry, out)
+        finally:
+            inside.now = False
+
     monkeypatch.setattr(Checkpoint, "blocks", counting)
+    monkeypatch.setattr(Checkpoint, "_read_whole", counting_whole)
     return counts
 
 
