@@ -168,6 +168,13 @@ def _stored_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes: in
     if offset is None or size is None or size > limit or offset + size > file_size:
         raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} has a bad chunk record "
                              f"({offset}, {size} bytes; at most {limit}, file {file_size})")
+    return int(info.filter_mask), _pread_frame(node, fd, offset, size, limit, start)
+
+
+def _pread_frame(node: str, fd: int, offset: int, size: int, limit: int,
+                 start: tuple[int, ...]) -> np.ndarray:
+    """``size`` stored bytes at ``offset`` read with one ``pread`` into this thread's reused
+    buffer (of at least ``limit`` bytes, the most a chunk's frame takes)."""
     buf = getattr(_FRAMES, "buf", None)
     if buf is None or buf.size < size:
         buf = _FRAMES.buf = np.empty(max(limit, 0 if buf is None else buf.size), np.uint8)
@@ -179,7 +186,7 @@ def _stored_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes: in
                              ) from None
     if got != size:
         raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} is truncated")
-    return int(info.filter_mask), stored
+    return stored
 
 
 def read_blosc_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes: int,
@@ -195,6 +202,25 @@ def read_blosc_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes:
     if mask != 0:
         raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} skips filters (mask "
                              f"{mask:#x}); Blosc chunks are never stored so")
+    _decode_stored(node, start, stored, chunk_nbytes, fletcher32, dst)
+
+
+def read_blosc_at(node: str, fd: int, offset: int, size: int, chunk_nbytes: int,
+                  fletcher32: bool, dst: np.ndarray, start: tuple[int, ...]) -> None:
+    """The one chunk of a Blosc dataset whose chunk record (read from the file's bytes by
+    :mod:`.header_layout`, mask 0, ``size`` checked against the file and the most a frame of
+    the chunk takes) gives ``offset``: one ``pread`` through HDF5's descriptor ``fd``, then
+    checked and decompressed into ``dst`` as :func:`read_blosc_chunk` does (``start``: the
+    chunk's position, for errors)."""
+    limit = frame_size_limit(chunk_nbytes) + (4 if fletcher32 else 0)
+    _decode_stored(node, start, _pread_frame(node, fd, offset, size, limit, start),
+                   chunk_nbytes, fletcher32, dst)
+
+
+def _decode_stored(node: str, start: tuple[int, ...], stored: np.ndarray, chunk_nbytes: int,
+                   fletcher32: bool, dst: np.ndarray) -> None:
+    """A stored chunk (its Blosc frame, then its Fletcher-32 when ``fletcher32``) checked and
+    decompressed into ``dst``; IntegrityError when anything is wrong with it."""
     if fletcher32:
         try:
             stored = np.frombuffer(_FLETCHER32.decode(stored), np.uint8)
@@ -228,6 +254,6 @@ def read_blosc_region(node: str, dsid: Any, start: tuple[int, ...], count: tuple
 
 __all__ = [
     "BLOSC_FILTER", "BloscChunks", "blosc_parameters", "blosc_parameters_problem",
-    "blosc_fletcher32", "can_blosc", "check_blosc_filter", "read_blosc_chunk",
+    "blosc_fletcher32", "can_blosc", "check_blosc_filter", "read_blosc_at", "read_blosc_chunk",
     "read_blosc_region", "set_blosc",
 ]

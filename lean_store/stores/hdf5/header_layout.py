@@ -12,7 +12,11 @@ which is what lean_store writes for a tensor of one chunk (``v108`` bounds):
   layout, and at most a fill value and a modification time: no filter pipeline, no external
   storage, nothing shared, nothing else;
 - a layout message of version 3, chunked, whose v1 B-tree is one leaf holding one chunk, at
-  offset 0, unfiltered (mask 0), of exactly the chunk's bytes, inside the file.
+  offset 0, unfiltered (mask 0), of exactly the chunk's bytes, inside the file;
+- or the same with one filter pipeline message holding exactly what ``compression="weights"``
+  writes (:func:`blosc_pipeline`: version 2, Blosc 32001 optional with the seven parameters
+  lean_store gives it, then Fletcher-32 if the checksum asks for it): its one chunk is stored
+  with no filter skipped (mask 0) in at most the bytes a Blosc frame of the chunk can take.
 
 Anything else is None and the caller opens the dataset through libhdf5 as before. The datatype
 message's bytes are returned, not decoded: the caller accepts them only once libhdf5 compared
@@ -28,11 +32,15 @@ import struct
 from collections.abc import Callable
 from typing import NamedTuple
 
+from ..blosc_frames import HEADER, frame_size_limit
+from .blosc import BLOSC_FILTER, blosc_parameters
 from .header import AttributeMessage, OtherMessage, attribute_messages
 
-_DATASPACE, _DATATYPE, _FILL_VALUE, _LAYOUT, _MODIFIED = 0x01, 0x03, 0x05, 0x08, 0x12
+_DATASPACE, _DATATYPE, _FILL_VALUE, _LAYOUT, _PIPELINE, _MODIFIED = (
+    0x01, 0x03, 0x05, 0x08, 0x0B, 0x12)
 _ONCE = (_DATASPACE, _DATATYPE, _LAYOUT)  # exactly one each
-_AT_MOST_ONCE = (_FILL_VALUE, _MODIFIED)  # change nothing a reader of written chunks uses
+_AT_MOST_ONCE = (_FILL_VALUE, _MODIFIED, _PIPELINE)  # the pipeline: checked exactly
+_FLETCHER32_FILTER = 3  # H5Z_FILTER_FLETCHER32
 _UNDEFINED = 2**64 - 1
 _BTREE_HEAD = struct.Struct("<4sBBHQQ")  # "TREE", node type, level, entries, left, right
 _KEY_HEAD = struct.Struct("<II")  # a chunk key: stored size, filter mask (then its offsets)
@@ -41,15 +49,17 @@ _MAX_RANK = 32
 
 
 class SingleChunk(NamedTuple):
-    """A dataset of one unfiltered chunk, as its object header and chunk index say."""
+    """A dataset of one chunk, unfiltered or Blosc-compressed as ``compression="weights"``
+    writes it, as its object header and chunk index say."""
 
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
     itemsize: int
     datatype: tuple[int, bytes]  # the datatype message's flags and body, not decoded
     offset: int  # the chunk's file position
-    size: int  # its stored bytes: the chunk shape's values times the item size
+    size: int  # its stored bytes: the chunk shape's values times the item size, unfiltered
     attributes: dict[bytes, AttributeMessage]
+    blosc: bool | None = None  # None: unfiltered; else a Blosc frame, Fletcher-32 after it?
 
 
 class _Cached:
@@ -75,8 +85,8 @@ class _Cached:
 def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: int
                  ) -> SingleChunk | None:
     """The dataset whose object header is at ``address`` (``pread(size, offset)`` reads the
-    file of ``file_size`` bytes), when it is one unfiltered chunk as the module text says;
-    None for anything else."""
+    file of ``file_size`` bytes), when it is one chunk, unfiltered or Blosc as the module text
+    says; None for anything else."""
     cached = _Cached(pread)
     others: list[OtherMessage] = []
     attributes = attribute_messages(cached, address, file_size, others)
@@ -101,10 +111,38 @@ def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: in
     if not shape or not all(0 < d <= c for d, c in zip(shape, chunks)):
         return None  # no values, or more than one chunk
     size = math.prod(chunks) * itemsize
-    offset = _only_chunk(cached, index, len(shape) + 1, size, file_size)
-    if offset is None:
+    sizes = (size, size)
+    blosc = None
+    if _PIPELINE in bodies:
+        blosc = blosc_pipeline(bodies[_PIPELINE], itemsize, size)
+        if blosc is None:
+            return None
+        sizes = (HEADER, frame_size_limit(size)) if not blosc else (
+            HEADER + 4, frame_size_limit(size) + 4)
+    found = _only_chunk(cached, index, len(shape) + 1, sizes, file_size)
+    if found is None:
         return None
-    return SingleChunk(shape, chunks, itemsize, datatype, offset, size, attributes)
+    offset, stored = found
+    return SingleChunk(shape, chunks, itemsize, datatype, offset, stored, attributes, blosc)
+
+
+def blosc_pipeline(message: tuple[int, bytes], itemsize: int, chunk_nbytes: int
+                   ) -> bool | None:
+    """Whether Fletcher-32 follows Blosc when the filter pipeline message (flags, body) is
+    byte for byte what libhdf5 writes for lean_store's ``"weights"`` pipeline on a dataset of
+    ``itemsize``-byte values in chunks of ``chunk_nbytes``: version 2 (flags 1: constant),
+    Blosc (id 32001, no name, optional, :func:`blosc_parameters`), then Fletcher-32
+    (mandatory, no values) or nothing. None for any other message."""
+    flags, body = message
+    blosc = struct.pack("<HHHH", BLOSC_FILTER, 0, 1, 7) + struct.pack(
+        "<7I", *blosc_parameters(itemsize, chunk_nbytes))
+    if flags != 1:
+        return None
+    if body == bytes((2, 1)) + blosc:
+        return False
+    if body == bytes((2, 2)) + blosc + struct.pack("<HHH", _FLETCHER32_FILTER, 0, 0):
+        return True
+    return None
 
 
 def _dataspace(body: bytes) -> tuple[int, ...] | None:
@@ -135,10 +173,11 @@ def _layout(body: bytes, rank: int, itemsize: int) -> tuple[int, tuple[int, ...]
     return index, tuple(dims[:-1])
 
 
-def _only_chunk(pread: Callable[[int, int], bytes], index: int, ndims: int, size: int,
-                file_size: int) -> int | None:
-    """The file position of the one chunk a v1 B-tree at ``index`` holds: a leaf with one
-    entry, no siblings, keyed at offset 0, unfiltered, of ``size`` bytes inside the file."""
+def _only_chunk(pread: Callable[[int, int], bytes], index: int, ndims: int,
+                sizes: tuple[int, int], file_size: int) -> tuple[int, int] | None:
+    """(file position, stored bytes) of the one chunk a v1 B-tree at ``index`` holds: a leaf
+    with one entry, no siblings, keyed at offset 0, no filter skipped (mask 0), of ``sizes``
+    (least, most) bytes inside the file."""
     need = _BTREE_HEAD.size + _KEY_HEAD.size + 8 * ndims + 8
     if index == _UNDEFINED or index + need > file_size:
         return None
@@ -152,9 +191,9 @@ def _only_chunk(pread: Callable[[int, int], bytes], index: int, ndims: int, size
     at = _BTREE_HEAD.size
     stored, mask = _KEY_HEAD.unpack_from(node, at)
     at += _KEY_HEAD.size
-    if stored != size or mask != 0 or any(node[at:at + 8 * ndims]):
+    if not sizes[0] <= stored <= sizes[1] or mask != 0 or any(node[at:at + 8 * ndims]):
         return None
     offset = int.from_bytes(node[at + 8 * ndims:need], "little")
-    if offset + size > file_size:
+    if offset + stored > file_size:
         return None
-    return offset
+    return offset, stored

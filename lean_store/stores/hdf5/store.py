@@ -48,6 +48,7 @@ from .blosc import (
     blosc_fletcher32,
     can_blosc,
     check_blosc_filter,
+    read_blosc_at,
     read_blosc_region,
     set_blosc,
 )
@@ -456,6 +457,7 @@ class HDF5Reader(StoreReader):
         # node -> (file offset, stored size) of the one chunk of a dataset read from its
         # object header, never opened through libhdf5 (see _stored_from_header)
         self._single: dict[str, tuple[int, int]] = {}
+        self._single_blosc: dict[str, bool] = {}  # node of _single -> a Blosc frame (+ F32?)
         self._header_types: dict[str, tuple[int, bytes]] = {}  # node -> datatype message
         self._header_differs: set[str] = set()  # header_match said no at open: not asked again
         self._filesize: int | None = None
@@ -612,10 +614,14 @@ class HDF5Reader(StoreReader):
             return None
         check_chunk_shape(node, found.chunks, found.shape, found.itemsize)
         self._single[node] = (found.offset, found.size)
+        filters = ["crc32c"]
+        if found.blosc is not None:  # the pipeline "weights" writes, checked byte for byte
+            self._single_blosc[node] = found.blosc
+            filters[:0] = ["blosc", "fletcher32"] if found.blosc else ["blosc"]
         self._header_types[node] = found.datatype
         self._tables[node] = record.table
         self._geometry[node] = (found.shape, found.chunks, found.itemsize)
-        self._plain[node] = True
+        self._plain[node] = found.blosc is None
         if header_match(found.attributes, _written_attrs(record)):
             self._attrs_checked.add(node)
         else:  # compared through libhdf5 at the first read (check_attributes)
@@ -623,7 +629,7 @@ class HDF5Reader(StoreReader):
         return StoredTensor(
             node=node, attrs=dict(record.attrs), stored_shape=found.shape,
             chunk_shape=found.chunks, storage="hdf5", itemsize=found.itemsize,
-            nbytes_on_disk=found.size, filters=["crc32c"],
+            nbytes_on_disk=found.size, filters=filters,
         )
 
     def _stored_from_manifest(self, node: str, record: TensorRecord) -> StoredTensor | None:
@@ -814,8 +820,10 @@ class HDF5Reader(StoreReader):
             out = np.empty(shape + ((2,) if fmt.words_per_value == 2 else ()),
                            dtype=fmt.storage_dtype)
         coords = (0,) * len(shape)
-        crc = self._pread_halves(node, None, coords, out)
-        if crc is None:
+        crc = None if node in self._single_blosc else self._pread_halves(node, None, coords, out)
+        if crc is None and self._read_single_blosc(node, out):
+            crc = crc32c_of(out)
+        elif crc is None:
             if not self._pread_chunk(node, None, coords, out):
                 return None
             crc = crc32c_of(out)
@@ -825,6 +833,22 @@ class HDF5Reader(StoreReader):
         if crc != expected:
             raise _crc_mismatch(node, coords, coords, crc, expected)
         return out
+
+    def _read_single_blosc(self, node: str, out: np.ndarray) -> bool:
+        """The one Blosc chunk of a dataset found by :meth:`_stored_from_header` decompressed
+        into ``out`` (at the chunk's origin, C-contiguous, a prefix of the chunk's bytes): one
+        ``pread`` at the offset its chunk record gives, the frame checked (and its Fletcher-32
+        when stored), NOT its CRC-32C (the caller's). False: not such a dataset or ``out``."""
+        fletcher32 = self._single_blosc.get(node)
+        _, chunks, itemsize = self._geometry[node]
+        if fletcher32 is None or self._fd is None or not out.flags.c_contiguous or (
+            not _prefix_of_chunk(out.shape, chunks)
+        ):
+            return False
+        offset, size = self._single[node]
+        read_blosc_at(node, self._fd, offset, size, math.prod(chunks) * itemsize, fletcher32,
+                      out.reshape(-1).view(np.uint8), (0,) * len(chunks))
+        return True
 
     def chunk_crcs(self, node: str) -> np.ndarray | None:
         if node in self._tables:
@@ -886,7 +910,7 @@ class HDF5Reader(StoreReader):
         self.check_attributes(node)
         origin = (0,) * len(selection.start)
         if node in self._single and out.size and selection.start == origin and (
-            self._pread_chunk(node, None, origin, out)
+            self._read_single_blosc(node, out) or self._pread_chunk(node, None, origin, out)
         ):
             return out
         ds = self._dsid(node)
@@ -985,7 +1009,7 @@ class HDF5Reader(StoreReader):
         :meth:`_stored_from_header`, never opened)."""
         if self._fd is None:
             return None
-        single = self._single.get(node)
+        single = None if node in self._single_blosc else self._single.get(node)
         if single is not None:
             if not any(coords) and out.flags.c_contiguous and _prefix_of_chunk(
                 out.shape, self._geometry[node][1]
