@@ -165,3 +165,15 @@ def test_manifest_text_is_the_same_with_shapes_as_tuples() -> None:
         "node": "w", "attrs": {**attrs, "shape": [3, 1]}, "stored_shape": [3, 1],
         "chunks": [1, 1], "chunk_crc32c": [0, 1, 2**32 - 1]}]}
     assert text == json.dumps(listed, separators=(",", ":"))
+
+
+def test_hdf5_chunk_tables_of_one_and_many_chunks(tmp_path: Path) -> None:
+    h5py = pytest.importorskip("h5py")
+    one = np.arange(7, dtype=np.float32)
+    many = np.arange(40 * 16, dtype=np.float32).reshape(40, 16)  # 1 KiB chunks: 16 rows each
+    ls.save({"one": one, "many": many}, tmp_path / "t.h5", chunk_bytes=1024)
+    with h5py.File(tmp_path / "t.h5", "r") as f:
+        assert f["one"].attrs["chunk_crc32c"].tolist() == [crc32c_of(one)]
+        rows = f["many"].chunks[0]
+        assert f["many"].attrs["chunk_crc32c"].tolist() == [
+            crc32c_of(many[i:i + rows]) for i in range(0, 40, rows)]

@@ -180,7 +180,7 @@ class HDF5TensorWriter(TensorWriter):
             return
         payload = _FLETCHER32.encode(data) if self._fletcher32 else data
         with chunk_lock():
-            self._dset.write_direct_chunk(tuple(s.start for s in region), payload, 0)
+            self._dset.write_direct_chunk(tuple([s.start for s in region]), payload, 0)
 
     def write(self, region: Region, bits: np.ndarray, crc: int | None = None) -> None:
         """Write one chunk (``region`` is a whole chunk clipped to the dataset) and record
@@ -194,11 +194,14 @@ class HDF5TensorWriter(TensorWriter):
             fspace.select_hyperslab(tuple(s.start for s in region), shape)
             self._dset.write(h5s.create_simple(shape), fspace, buf.reshape(shape),
                              mtype=self._ftype)
-        coords = tuple(s.start // c for s, c in zip(region, self.chunk_shape))
         if crc is None:
             crc = crc32c_of(bits)
         elif callable(crc):  # computed while the chunk was written
             crc = crc()
+        if self._crcs.size == 1:  # one chunk (most small tensors): its number is 0
+            self._crcs[0] = crc
+            return
+        coords = tuple([s.start // c for s, c in zip(region, self.chunk_shape)])
         self._crcs[chunk_number(coords, self._grid)] = crc
 
     def write_later(self, region: Region, bits: np.ndarray, submit: Any) -> Any:
