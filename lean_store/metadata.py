@@ -23,7 +23,7 @@ from .errors import (
     UnsafeFileError,
     listing,
 )
-from .formats import BinaryFormat, ComplexFormat, get
+from .formats import BinaryFormat, ComplexFormat, ScalarFormat, get
 from .hardening import json_depth
 from .layout import Entry, Layout
 from .naming import node_name
@@ -38,15 +38,19 @@ MAX_ENTRY_TEXT = 16 << 10  # one layout entry: a 1024-character name escaped 12 
 
 
 def tensor_attrs(entry: Entry, storage: str) -> dict[str, Any]:
-    fmt = entry.format
     attrs: dict[str, Any] = {
         "index": entry.index,
         "name": entry.name,
         "shape": tuple(entry.shape),
-        "format": fmt.tag,
-        "width": fmt.width,
-        "storage": storage,
     }
+    attrs.update(format_attrs(entry.format, storage))
+    return attrs
+
+
+def format_attrs(fmt: ScalarFormat, storage: str) -> dict[str, Any]:
+    """The attributes of a tensor of ``fmt`` that depend on its format alone, in the order
+    :func:`tensor_attrs` writes them (after ``index``, ``name`` and ``shape``)."""
+    attrs: dict[str, Any] = {"format": fmt.tag, "width": fmt.width, "storage": storage}
     if isinstance(fmt, BinaryFormat):
         attrs.update(
             exponent_bits=fmt.exponent_bits,

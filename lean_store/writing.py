@@ -12,7 +12,7 @@ from typing import Any
 from .chunking import iter_regions
 from .integrity import crc32c_combine, crc32c_of, crc_workers, forget_crc_workers
 from .layout import Entry, Layout, stored_rank_shape
-from .metadata import root_attrs, tensor_attrs
+from .metadata import format_attrs, root_attrs
 from .naming import check_names
 from .options import SaveOptions, merge_options
 from .progress import NullProgress, make_progress
@@ -67,44 +67,78 @@ def write_source(
     backend = backend_for(path, backend)
     writer = open_writer(path, backend, chunk_bytes=chunk_bytes, compression=compression,
                          checksum=checksum, storage_options=storage_options)
-    storage_of = backend_record(backend).storage_name
+    attrs_of = _AttrsOfSave(backend_record(backend).storage_name)
 
     def units() -> Iterator[tuple[Any, Any, Any]]:
+        """``(key, tensor, region)`` per write unit, ``key`` being ``(sink, stable, last)``:
+        ``last`` marks a tensor's final unit (the marker item ``(key, None, None)`` of a
+        tensor with no units), so one-unit tensors pass the pipeline as one item."""
         for entry, tensor in source.tensors():
-            sink = writer.add_tensor(entry, tensor_attrs(entry, storage_of(entry.format)))
+            sink = writer.add_tensor(entry, attrs_of(entry))
             # a host tensor whose reads stay valid may have its units written behind
-            key = (sink, getattr(tensor, "stable_reads", False)
-                   and getattr(tensor, "stage_engine", None) is None)
-            for region in iter_regions(stored_rank_shape(entry), sink.write_unit):
+            stable = getattr(tensor, "stable_reads", False) and \
+                getattr(tensor, "stage_engine", None) is None
+            regions = iter_regions(stored_rank_shape(entry), sink.write_unit)
+            region = next(regions, None)
+            if region is None:  # nothing to write: the tensor's end alone
+                yield (sink, stable, True), None, None
+                continue
+            key = (sink, stable, False)
+            for following in regions:
                 yield key, tensor, region
-            yield key, None, None  # end of this tensor
+                region = following
+            yield (sink, stable, True), tensor, region
 
     crc_pool = _crc_pool()
     with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar:
         order = _InOrder()
         counting = type(bar) is not NullProgress  # no call per unit without a bar
         try:
-            for (sink, stable), region, bits in staged(units(), buffer_bytes=buffer_bytes):
+            for (sink, stable, last), region, bits in staged(units(),
+                                                             buffer_bytes=buffer_bytes):
                 if bits is None:
                     order.end(sink)
                     continue
+                nbytes = bits.nbytes
                 if counting:
-                    bar.advance(bits.nbytes)
+                    bar.advance(nbytes)
                 # units of host memory: the file written and its CRC-32C computed on a
                 # worker while the next units are prepared (and written, on the other worker)
-                if stable and bits.nbytes >= OVERLAP_CRC_BYTES:
-                    order.make_room(bits.nbytes)
+                later = None
+                if stable and nbytes >= OVERLAP_CRC_BYTES:
+                    order.make_room(nbytes)
                     later = sink.write_later(region, bits, _submitter(crc_pool))
-                    if later is not None:
-                        order.unit(sink, later, bits.nbytes)
-                        continue
-                order.unit(sink, _write_unit(crc_pool, sink, region, bits), bits.nbytes)
+                if later is not None:
+                    order.unit(sink, later, nbytes)
+                else:
+                    order.unit(sink, _write_unit(crc_pool, sink, region, bits), nbytes)
+                if last:
+                    order.end(sink)
             order.settle()
         except BaseException:
             order.abandon()  # no worker still writing into the store being removed
             raise
         writer.commit(root_attrs(layout, kind, extra_root))
     return layout
+
+
+class _AttrsOfSave:
+    """The attributes of each tensor of one save (:func:`lean_store.metadata.tensor_attrs`),
+    the part that depends only on the format (format tag, width, parameters, storage name)
+    built once per format of the save."""
+
+    def __init__(self, storage_name: Callable[[Any], str]) -> None:
+        self._storage_name = storage_name
+        self._tails: dict[Any, dict[str, Any]] = {}
+
+    def __call__(self, entry: Entry) -> dict[str, Any]:
+        fmt = entry.format
+        tail = self._tails.get(fmt)
+        if tail is None:
+            tail = self._tails[fmt] = format_attrs(fmt, self._storage_name(fmt))
+        attrs = {"index": entry.index, "name": entry.name, "shape": tuple(entry.shape)}
+        attrs.update(tail)
+        return attrs
 
 
 WRITE_BEHIND_BYTES = 32 << 20
@@ -164,6 +198,9 @@ class _InOrder:
         self._crc = 0  # digest so far of the tensor at the head
 
     def unit(self, sink: Any, crc: int | Future[int], nbytes: int) -> None:
+        if not self._queue and type(crc) is int:  # written in order, nothing behind it
+            self._crc = crc32c_combine(self._crc, crc, nbytes)
+            return
         if isinstance(crc, Future):
             self._behind += nbytes
             self._futures += 1
@@ -171,6 +208,10 @@ class _InOrder:
         self._advance(wait=False)
 
     def end(self, sink: Any) -> None:
+        if not self._queue:  # every unit of the tensor is done: close it now
+            crc, self._crc = self._crc, 0
+            sink.close({"crc32c": crc})
+            return
         self._queue.append((sink, None, 0))
         self._advance(wait=False)
 

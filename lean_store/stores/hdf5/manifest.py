@@ -41,13 +41,14 @@ class TensorRecord:
 
 def record_json(node: str, attrs: dict[str, Any], stored_shape: tuple[int, ...],
                 chunks: tuple[int, ...], table: np.ndarray) -> dict[str, Any]:
-    """The manifest record of one dataset (JSON-ready)."""
+    """The manifest record of one dataset, ready for :func:`manifest_text` (``json`` writes
+    tuples as lists: shapes are passed as they are, not copied)."""
     return {
         "node": node,
-        "attrs": {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.items()},
-        "stored_shape": list(stored_shape),
-        "chunks": list(chunks),
-        CHUNK_CRC_ATTR: [int(c) for c in table],
+        "attrs": attrs,
+        "stored_shape": stored_shape,
+        "chunks": chunks,
+        CHUNK_CRC_ATTR: table.tolist(),
     }
 
 

@@ -31,6 +31,7 @@ from ...formats import ScalarFormat
 from ...hardening import check_chunk_shape
 from ...integrity import crc32c_combine, crc32c_of, crc_workers
 from ...layout import Entry
+from ...naming import node_name
 from ..base import (
     ChunkProblem,
     Selection,
@@ -143,6 +144,7 @@ class HDF5TensorWriter(TensorWriter):
         direct: bool = False, fletcher32: bool = True, deflate: Any = None,
         record: dict[str, Any] | None = None, attrs: dict[str, Any] | None = None,
         stored: tuple[int, ...] | None = None, fd: int | None = None,
+        sizes: tuple[int, int, tuple[int, ...]] | None = None,
     ):
         self._dset = dset
         # the file's descriptor when every chunk of this dataset was allocated at its creation
@@ -155,16 +157,16 @@ class HDF5TensorWriter(TensorWriter):
         self.entry = entry
         self.chunk_shape = chunks
         self.write_unit = chunks
-        self._itemsize = ftype.get_size()
         self._stored_shape = dset.shape if stored is None else stored
+        # (item size, chunk bytes, chunk grid): given by the writer's plan, else worked out
+        self._itemsize, self._chunk_nbytes, self._grid = sizes or _sizes(
+            ftype, chunks, self._stored_shape)
         # With no filter, or fletcher32 as the only one, whole chunks go in through
         # H5Dwrite_chunk: the bytes as they are (no pass through HDF5's chunk cache, which costs
         # a copy), or with the checksum computed by numcodecs (HDF5's own, byte by byte, is 2-3x
         # slower); HDF5 verifies it on every read like any chunk it filtered itself.
         self._direct = direct
         self._fletcher32 = fletcher32
-        self._chunk_nbytes = math.prod(chunks) * self._itemsize
-        self._grid = grid_shape(self._stored_shape, chunks)
         self._crcs = np.zeros(math.prod(self._grid), np.uint32)  # the chunk_crc32c table
 
     def _write_chunk(self, region: Region, bits: np.ndarray) -> None:
@@ -179,7 +181,7 @@ class HDF5TensorWriter(TensorWriter):
             return
         payload = _FLETCHER32.encode(data) if self._fletcher32 else data
         with chunk_lock():
-            self._dset.write_direct_chunk(tuple(s.start for s in region), payload, 0)
+            self._dset.write_direct_chunk(tuple([s.start for s in region]), payload, 0)
 
     def write(self, region: Region, bits: np.ndarray, crc: int | None = None) -> None:
         """Write one chunk (``region`` is a whole chunk clipped to the dataset) and record
@@ -193,11 +195,14 @@ class HDF5TensorWriter(TensorWriter):
             fspace.select_hyperslab(tuple(s.start for s in region), shape)
             self._dset.write(h5s.create_simple(shape), fspace, buf.reshape(shape),
                              mtype=self._ftype)
-        coords = tuple(s.start // c for s, c in zip(region, self.chunk_shape))
         if crc is None:
             crc = crc32c_of(bits)
         elif callable(crc):  # computed while the chunk was written
             crc = crc()
+        if self._crcs.size == 1:  # one chunk (most small tensors): its number is 0
+            self._crcs[0] = crc
+            return
+        coords = tuple([s.start // c for s, c in zip(region, self.chunk_shape)])
         self._crcs[chunk_number(coords, self._grid)] = crc
 
     def write_later(self, region: Region, bits: np.ndarray, submit: Any) -> Any:
@@ -266,6 +271,14 @@ class HDF5TensorWriter(TensorWriter):
             self._record["table"] = self._crcs
 
 
+def _sizes(ftype: Any, chunks: tuple[int, ...], stored: tuple[int, ...]
+           ) -> tuple[int, int, tuple[int, ...]]:
+    """(item size, bytes of a chunk, chunk grid) of a dataset of ``ftype`` and ``stored``
+    shape cut into ``chunks``."""
+    itemsize = ftype.get_size()
+    return itemsize, math.prod(chunks) * itemsize, grid_shape(stored, chunks)
+
+
 _ONE_SAVE_AT_A_TIME = threading.Lock()
 """HDF5 saves in one process run one after another. The HDF5 1.14 that h5py 3.12-3.15 bundles
 corrupts its state when threads write different files at once (seen with three background
@@ -302,11 +315,9 @@ class HDF5Writer(StoreWriter):
         self._fd = _write_descriptor(self._file)
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
-        from ...naming import node_name
-
         stored = entry.shape or (1,)
-        ftype, chunks, dcpl, space, direct, fletcher32, behind = self._plan(entry.format,
-                                                                            stored)
+        ftype, chunks, dcpl, space, direct, fletcher32, behind, sizes = self._plan(
+            entry.format, stored)
         node = node_name(entry.name)
         dset = h5d.create(self._file.id, node.encode(), ftype, space, dcpl=dcpl)
         # direct: no filter but (maybe) fletcher32, so no shuffle + deflate or Blosc either
@@ -314,13 +325,14 @@ class HDF5Writer(StoreWriter):
         record = {"node": node, "attrs": dict(attrs), "stored_shape": stored, "chunks": chunks}
         self._records.append(record)
         return HDF5TensorWriter(dset, entry, ftype, chunks, direct, fletcher32, deflate, record,
-                                attrs, stored, self._fd if behind else None)
+                                attrs, stored, self._fd if behind else None, sizes)
 
     def _plan(self, fmt: ScalarFormat, stored: tuple[int, ...]) -> tuple[Any, ...]:
         """(file type, chunk shape, creation property list, dataspace, direct chunk writes,
-        fletcher32 alone) of a dataset of ``fmt`` and ``stored`` shape: built once per
-        distinct pair and reused (HDF5 copies what ``h5d.create`` is given), so that a state of
-        many like-shaped tensors pays for them once."""
+        fletcher32 alone, written behind, :func:`_sizes`) of a dataset of ``fmt`` and
+        ``stored`` shape: built once per distinct pair and reused (HDF5 copies what
+        ``h5d.create`` is given), so that a state of many like-shaped tensors pays for them
+        once."""
         key = (fmt, stored)
         plan = self._plans.get(key)
         if plan is not None:
@@ -348,7 +360,8 @@ class HDF5Writer(StoreWriter):
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
         plan = self._plans[key] = (ftype, chunks, dcpl, h5s.create_simple(stored),
-                                   nfilters == 0 or fletcher32, fletcher32, behind)
+                                   nfilters == 0 or fletcher32, fletcher32, behind,
+                                   _sizes(ftype, chunks, stored))
         return plan
 
     def _deflate_chunks(self, dcpl: h5p.PropDCID, dset: h5d.DatasetID, itemsize: int
