@@ -34,8 +34,11 @@ def plan_chunks(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tupl
 
 
 def grow_chunks(shape: tuple[int, ...], chunks: tuple[int, ...], factor: int) -> tuple[int, ...]:
-    """A shard shape: ``chunks`` with its split axis grown ``factor`` times, kept a multiple."""
-    axis = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), None)
+    """A shard shape: ``chunks`` with its split axis grown ``factor`` times, kept a multiple.
+    The split axis is the last one the chunks cut, so a shard is a row block too: ``(1, 256)``
+    chunks of a ``(600, 1000)`` array (one row over the chunk budget) make ``(1, 1024)``
+    shards, whose bytes are one contiguous run, not ``(8, 256)`` blocks of eight rows."""
+    axis = next((i for i in reversed(range(len(shape))) if chunks[i] < shape[i]), None)
     if axis is None:
         return chunks
     whole = math.ceil(shape[axis] / chunks[axis]) * chunks[axis]

@@ -51,15 +51,14 @@ def parse_table(
 
 
 def is_row_block(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
-    """Chunks of the form lean_store writes: ``(1, ..., 1, c, d(k+1), ..., dn)``."""
+    """Chunks of the form lean_store writes: ``(1, ..., 1, c, d(k+1), ..., dn)``. The split
+    axis is the last one the chunks cut: in ``(1, 256)`` chunks of a ``(600, 1000)`` dataset
+    (what :func:`lean_store.chunking.plan_chunks` gives when one row exceeds the chunk
+    budget) it is the second; the leading 1 cuts the first axis too."""
     if len(chunks) != len(shape):
         return False
-    split = next((i for i, (c, d) in enumerate(zip(chunks, shape)) if c < d), None)
-    if split is None:
-        return True  # one chunk holds it all
-    return all(c == 1 for c in chunks[:split]) and all(
-        c >= d for c, d in zip(chunks[split + 1 :], shape[split + 1 :])
-    )
+    split = next((i for i in reversed(range(len(shape))) if chunks[i] < shape[i]), None)
+    return split is None or all(c == 1 for c in chunks[:split])
 
 
 def table_chunks(shape: tuple[int, ...], n_table: int) -> list[tuple[int, ...]]:
