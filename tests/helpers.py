@@ -191,3 +191,11 @@ class FakeDeviceSource(TensorSource):
     def tensors(self) -> Any:
         for entry in self.layout:
             yield entry, FakeDeviceTensor(self.arrays[entry.name], self.engine)
+
+
+def assert_same_arrays(got: dict, want: dict) -> None:
+    """``got`` holds exactly ``want``'s names, each with its dtype and bytes."""
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert np.asarray(got[key]).dtype == value.dtype
+        assert np.asarray(got[key]).tobytes() == value.tobytes(), key

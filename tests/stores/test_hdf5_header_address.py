@@ -15,6 +15,7 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import assert_same_arrays
 
 import lean_store as ls
 from lean_store.errors import CheckpointError, IntegrityError
@@ -56,20 +57,13 @@ def _opened(monkeypatch) -> list[str]:
     return seen
 
 
-def _same(got: dict, want: dict) -> None:
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert np.asarray(got[key]).dtype == value.dtype
-        assert np.asarray(got[key]).tobytes() == value.tobytes(), key
-
-
 def test_one_chunk_datasets_are_never_opened(tmp_path: Path, monkeypatch) -> None:
     """After a first load (libhdf5 confirms each datatype and attribute encoding once), a
     load opens only the dataset of several chunks."""
     ls.load_state(_saved(tmp_path, "warm.h5"))
     path = _saved(tmp_path)
     opened = _opened(monkeypatch)
-    _same(ls.load_state(path), _state())
+    assert_same_arrays(ls.load_state(path), _state())
     assert opened == ["big"]
     assert ls.verify(path).ok  # (verify looks at every dataset's structure through h5py)
     opened.clear()
@@ -111,7 +105,7 @@ def test_a_mixed_state_of_one_and_many_chunks(tmp_path: Path, monkeypatch) -> No
     with ls.open(path) as ck:
         assert ck["w"][1:3, 2:5].tobytes() == _state()["w"][1:3, 2:5].tobytes()
         assert ck["big"][5:9].tobytes() == _state()["big"][5:9].tobytes()
-        _same({k: ck[k].read() for k in _state()}, _state())
+        assert_same_arrays({k: ck[k].read() for k in _state()}, _state())
     assert "w" in opened  # a partial read goes through libhdf5's chunk index, as before
 
 
@@ -129,7 +123,7 @@ def test_h5repack_copies_load_bit_for_bit(tmp_path: Path, options: tuple[str, ..
     index or filters the copy has, it loads exactly, through the header or through libhdf5.
     (Re-chunked datasets are read through their own attributes: docs/FORMAT.md 2.5.1.)"""
     copy = _repacked(tmp_path, *options)
-    _same(ls.load_state(copy), _state())
+    assert_same_arrays(ls.load_state(copy), _state())
     assert ls.verify(copy).ok
 
 
@@ -138,7 +132,7 @@ def test_filtered_datasets_are_opened(tmp_path: Path, monkeypatch) -> None:
     path = _saved(tmp_path, compression="gzip", checksum="fletcher32+crc32c")
     ls.load_state(path)
     opened = _opened(monkeypatch)
-    _same(ls.load_state(path), _state())
+    assert_same_arrays(ls.load_state(path), _state())
     assert sorted(opened) == sorted(_state())
 
 
@@ -258,5 +252,5 @@ def test_the_header_path_is_off_without_a_plain_descriptor(tmp_path: Path, monke
     path = _saved(tmp_path)
     monkeypatch.setattr(hdf5_store, "_h5_descriptor", lambda file: (None, 0))
     opened = _opened(monkeypatch)
-    _same(ls.load_state(path), _state())
+    assert_same_arrays(ls.load_state(path), _state())
     assert sorted(opened) == sorted(_state())

@@ -15,6 +15,7 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import assert_same_arrays
 
 import lean_store as ls
 from lean_store.errors import CheckpointError, IntegrityError
@@ -38,13 +39,6 @@ def _saved(tmp_path: Path, name: str = "ck.h5", **kw) -> Path:
     path = tmp_path / name
     ls.save(_state(), path, chunk_bytes=4096 * 8, compression="weights", **kw)
     return path
-
-
-def _same(got: dict, want: dict) -> None:
-    assert sorted(got) == sorted(want)
-    for key, value in want.items():
-        assert np.asarray(got[key]).dtype == value.dtype
-        assert np.asarray(got[key]).tobytes() == value.tobytes(), key
 
 
 def _found(path: Path) -> dict[str, object]:
@@ -93,7 +87,7 @@ def test_one_chunk_blosc_datasets_are_never_opened(tmp_path: Path, monkeypatch,
     real = HDF5Reader._open_dataset
     monkeypatch.setattr(HDF5Reader, "_open_dataset",
                         lambda self, node: (opened.append(node), real(self, node))[1])
-    _same(ls.load_state(path), _state())
+    assert_same_arrays(ls.load_state(path), _state())
     assert opened == ["big"]
     with ls.open(path) as ck:  # partial reads: through libhdf5's chunk record, same bytes
         assert ck["w"][3:50:2, 5:9].tobytes() == _state()["w"][3:50:2, 5:9].tobytes()
