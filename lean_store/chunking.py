@@ -33,12 +33,19 @@ def plan_chunks(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tupl
     return (1,) * (len(shape) - 1) + (max(1, min(shape[-1], budget)),)  # pragma: no cover
 
 
+def last_cut_axis(shape: Sequence[int], chunks: Sequence[int]) -> int | None:
+    """The last axis whose chunk side is less than the array's (None: one chunk holds it
+    all). For row-block chunks ``(1, ..., 1, c, d(k+1), ..., dn)`` that is the split axis
+    ``k``, also when a leading 1 cuts the axes before it: ``(1, 256)`` of ``(600, 1000)``."""
+    return next((i for i in reversed(range(len(shape))) if chunks[i] < shape[i]), None)
+
+
 def grow_chunks(shape: tuple[int, ...], chunks: tuple[int, ...], factor: int) -> tuple[int, ...]:
     """A shard shape: ``chunks`` with its split axis grown ``factor`` times, kept a multiple.
     The split axis is the last one the chunks cut, so a shard is a row block too: ``(1, 256)``
     chunks of a ``(600, 1000)`` array (one row over the chunk budget) make ``(1, 1024)``
     shards, whose bytes are one contiguous run, not ``(8, 256)`` blocks of eight rows."""
-    axis = next((i for i in reversed(range(len(shape))) if chunks[i] < shape[i]), None)
+    axis = last_cut_axis(shape, chunks)
     if axis is None:
         return chunks
     whole = math.ceil(shape[axis] / chunks[axis]) * chunks[axis]

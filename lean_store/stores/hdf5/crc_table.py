@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ...chunking import chunk_count
+from ...chunking import chunk_count, last_cut_axis
 from ...errors import IntegrityError
 
 CHUNK_CRC_ATTR = "chunk_crc32c"
@@ -57,7 +57,7 @@ def is_row_block(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
     budget) it is the second; the leading 1 cuts the first axis too."""
     if len(chunks) != len(shape):
         return False
-    split = next((i for i in reversed(range(len(shape))) if chunks[i] < shape[i]), None)
+    split = last_cut_axis(shape, chunks)
     return split is None or all(c == 1 for c in chunks[:split])
 
 
