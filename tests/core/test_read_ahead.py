@@ -5,6 +5,7 @@ and an error on either thread returns nothing and leaves no read running."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -82,6 +83,19 @@ def _damage(path: Path, backend: str, ck: Checkpoint, name: str) -> None:
         f.write(bytes([byte ^ 0x10]))
 
 
+def _damage_first(path: Path, backend: str
+                  ) -> tuple[list[str], Callable[[Checkpoint, str], None]]:
+    """(the names damaged, a hook damaging the first tensor it is called for, once)."""
+    damaged: list[str] = []
+
+    def damage(ck: Checkpoint, name: str) -> None:
+        if not damaged:
+            damaged.append(name)
+            _damage(path, backend, ck, name)
+
+    return damaged, damage
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_damaged_frame_read_by_the_worker_raises(tmp_path, monkeypatch, backend):
     """The worker's tensor is damaged just before the worker reads it: the load raises
@@ -90,13 +104,7 @@ def test_damaged_frame_read_by_the_worker_raises(tmp_path, monkeypatch, backend)
     state = {f"w{i}": (np.random.default_rng(i).standard_normal((256, 512)) * 0.02
                        ).astype(np.float32) for i in range(4)}
     ls.save(state, path, compression="weights")
-    damaged: list[str] = []
-
-    def damage(ck: Checkpoint, name: str) -> None:
-        if not damaged:
-            damaged.append(name)
-            _damage(path, backend, ck, name)
-
+    damaged, damage = _damage_first(path, backend)
     _on_both_threads(monkeypatch, damage)
     with pytest.raises(IntegrityError) as err:
         ls.load_state(path)
@@ -194,13 +202,7 @@ def test_load_into_target_damage_on_the_worker_changes_nothing(tmp_path, monkeyp
     state = {f"w{i}": torch.randn(256, 512, generator=gen) for i in range(4)}
     ls.save(state, path, compression="weights")
     target = {k: torch.full_like(v, 7.0) for k, v in state.items()}
-    damaged: list[str] = []
-
-    def damage(ck: Checkpoint, name: str) -> None:
-        if not damaged:
-            damaged.append(name)
-            _damage(path, backend, ck, name)
-
+    damaged, damage = _damage_first(path, backend)
     _on_both_threads_verified(monkeypatch, damage)
     with pytest.raises(IntegrityError) as err:
         ls.load(target, path)
