@@ -63,10 +63,14 @@ class Piece:
 
     def source(self) -> SourceTensor:
         """Reads regions of the box, in box-local coordinates, as raw words."""
-        src = tensor_source({self.name: self.local})
-        ((entry, tensor),) = list(src.tensors())
-        if entry.format != self.format:
-            raise CheckpointError(f"{self.name!r}: local format {entry.format.tag} differs")
+        fmt = _format(self.name, self.local)
+        if fmt != self.format:
+            raise CheckpointError(f"{self.name!r}: local format {fmt.tag} differs")
+        if _is_torch(self.local):
+            from ..sources.torch_source import value_source
+
+            return value_source(self.local, fmt)
+        ((_entry, tensor),) = list(tensor_source({self.name: self.local}).tensors())
         return tensor
 
     def target(self) -> TargetTensor:
@@ -126,9 +130,17 @@ def _piece(name: str, value: Any, blocks: dict[Any, Any] | None = None) -> Piece
     return Piece(name, shape, fmt, Box.whole(shape or (1,)), value, False)
 
 
+def _is_torch(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # never imported here: no torch tensor exists without it
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def _format(name: str, value: Any) -> ScalarFormat:
-    layout = tensor_source({name: value}).layout
-    return layout[name].format
+    if _is_torch(value):  # one value's checks, not a whole TorchSource's
+        from ..sources.torch_source import value_format
+
+        return value_format(name, value)
+    return tensor_source({name: value}).layout[name].format
 
 
 def _dtensor_piece(name: str, value: Any, blocks: dict[Any, Any] | None = None) -> Piece:

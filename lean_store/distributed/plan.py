@@ -50,8 +50,10 @@ def make_plan(descriptions: list[dict[str, Any]]) -> tuple[Layout, list[TensorPl
             lines = "\n".join(f"  - {d}" for d in diffs)
             raise LayoutError(f"rank {rank} holds a different state than rank 0:\n{lines}", diffs)
     plans = []
+    held_all: list[list[Box]] = []  # held_all[i][r]: rank r's box of tensor i
     for i, entry in enumerate(layout):
-        held = [[Box.of(*d["boxes"][i])] for d in descriptions]
+        held_all.append([Box.of(*d["boxes"][i]) for d in descriptions])
+        held = [[box] for box in held_all[-1]]
         what = f"tensor {entry.name!r}"
         strided = [d.get("strided", {}).get(str(i)) for d in descriptions]
         placements = next((s for s in strided if s), None)
@@ -62,7 +64,7 @@ def make_plan(descriptions: list[dict[str, Any]]) -> tuple[Layout, list[TensorPl
                 raise strided_refusal(entry.name, placements, problems)
         shards = assign_owners(entry.shape or (1,), held, what)
         plans.append(TensorPlan(entry, tuple(shards)))
-    return layout, balance_replicas(plans, descriptions)
+    return layout, balance_replicas(plans, held_all)
 
 
 METADATA_COST = 64 << 10
@@ -71,29 +73,28 @@ writing one shard any rank (a dataset, a chunk file), in bytes of data written, 
 :func:`balance_replicas`."""
 
 
-def balance_replicas(plans: list[TensorPlan], descriptions: list[dict[str, Any]]
-                     ) -> list[TensorPlan]:
+def balance_replicas(plans: list[TensorPlan], held: list[list[Box]]) -> list[TensorPlan]:
     """Replicas (a box several ranks hold: a bias, a step count) are written by the least loaded
     of their holders (lowest rank on ties), counting the bytes every rank writes anyway and
-    rank 0's metadata, instead of all by the lowest rank. Pure: every rank computes the same."""
-    world = len(descriptions)
+    rank 0's metadata, instead of all by the lowest rank. ``held[i][r]`` is rank r's box of
+    tensor i (parsed once by :func:`make_plan`). Pure: every rank computes the same."""
+    world = len(held[0]) if held else 1
     load = [0] * world
     load[0] = METADATA_COST * len(plans)
     holders: list[list[list[int]]] = []
-    for i, plan in enumerate(plans):
-        boxes = [Box.of(*d["boxes"][i]) for d in descriptions]
+    for plan, boxes in zip(plans, held):
         nbytes = plan.entry.format.storage_dtype.itemsize * plan.entry.format.words_per_value
         holders.append([[r for r, b in enumerate(boxes) if b == box] for box, _ in plan.shards])
-        for (box, owner), held in zip(plan.shards, holders[-1]):
-            if len(held) == 1:
+        for (box, owner), ranks in zip(plan.shards, holders[-1]):
+            if len(ranks) == 1:
                 load[owner] += box.size * nbytes + METADATA_COST
     out = []
     for plan, held_by in zip(plans, holders):
         nbytes = plan.entry.format.storage_dtype.itemsize * plan.entry.format.words_per_value
         shards = []
-        for (box, owner), held in zip(plan.shards, held_by):
-            if len(held) > 1:
-                owner = min(held, key=lambda r: (load[r], r))
+        for (box, owner), ranks in zip(plan.shards, held_by):
+            if len(ranks) > 1:
+                owner = min(ranks, key=lambda r: (load[r], r))
                 load[owner] += box.size * nbytes + METADATA_COST
             shards.append((box, owner))
         out.append(TensorPlan(plan.entry, tuple(shards)))

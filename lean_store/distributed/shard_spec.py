@@ -28,8 +28,8 @@ class Box:
 
     @classmethod
     def of(cls, offsets: Sequence[int], lengths: Sequence[int]) -> Box:
-        offsets = tuple(int(o) for o in offsets)
-        lengths = tuple(int(n) for n in lengths)
+        offsets = tuple(map(int, offsets))
+        lengths = tuple(map(int, lengths))
         if len(offsets) != len(lengths):
             raise CheckpointError(f"shard offsets {offsets} and lengths {lengths} differ in rank")
         return cls(offsets, lengths)

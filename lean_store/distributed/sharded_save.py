@@ -107,6 +107,7 @@ def save(
                 shards.finish(work, comm.size, plans, records, attrs, chunk_bytes)
                 location.commit()
     except BaseException:
+        shards.abort()  # before the work directory goes: the master may still be open
         if location is not None:
             location.abort()
         raise

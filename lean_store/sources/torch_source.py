@@ -233,6 +233,23 @@ def _entry_format(name: str, value: Any) -> ScalarFormat:
     raise UnsupportedValueError(f"state entry {name!r} is {_a(type(value).__name__)}, not a tensor")
 
 
+def value_format(name: str, value: Any) -> ScalarFormat:
+    """The format of one state entry, refused as :func:`check_entries` refuses it in a state
+    (a whole :class:`TorchSource` for one value costs ~30x more)."""
+    why = unsupported_entry(name, value, {name: value})
+    if why is not None:
+        raise UnsupportedValueError(why)
+    return _entry_format(name, value)
+
+
+def value_source(value: Any, fmt: ScalarFormat) -> SourceTensor:
+    """One value's source, as :meth:`TorchSource.tensors` makes it (a device tensor gets an
+    engine of its own)."""
+    if isinstance(value, torch.Tensor):
+        return TorchSourceTensor(value, fmt)
+    return ArraySourceTensor(value, fmt)
+
+
 class TorchSource(TensorSource):
     def __init__(self, obj: Any) -> None:
         state = state_dict_of(obj)

@@ -87,3 +87,7 @@ class ShardedLayout(ABC):
                root_attrs: dict[str, Any], chunk_bytes: int) -> None:
         """Rank 0, after every rank succeeded: shard records and root attributes, ``complete``
         last."""
+
+    def abort(self) -> None:  # noqa: B027 - most layouts hold nothing open
+        """The save failed: release what :meth:`write_metadata` kept open (the work directory
+        is removed by the caller)."""

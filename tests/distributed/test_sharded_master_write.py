@@ -53,3 +53,35 @@ def test_the_master_written_in_two_steps_equals_the_one_written_at_the_commit(tm
     manifest = json.loads(first["root"]["master_manifest"])
     assert [r["node"] for r in manifest["tensors"]] == ["w", "b", "empty"]
     assert manifest["tensors"][0]["attrs"]["shards"] == records[0]
+
+
+def test_the_master_kept_open_from_the_write_stage_equals_the_one_written_at_the_commit(
+        tmp_path):
+    from lean_store.stores.hdf5.sharded import HDF5ShardedLayout
+
+    _layout, plans = make_plan([{"layout": LAYOUT, "boxes": b} for b in BOXES])
+    records = [shard_records(p, {k: [77 + k, list(box.lengths)]
+                                 for k, (box, _o) in enumerate(p.shards)}) for p in plans]
+    root = {"lean_store": "lean_store", "sharded": json.dumps({"version": 1})}
+    one, kept = tmp_path / "one", tmp_path / "kept"
+    one.mkdir()
+    kept.mkdir()
+    write_master(str(one), 2, plans, records, root, 1 << 20)
+    shards = HDF5ShardedLayout()
+    shards.write_metadata(str(kept), 2, plans, 1 << 20)
+    shards.finish(str(kept), 2, plans, records, root, 1 << 20)
+    assert _master(one) == _master(kept)
+
+
+def test_an_aborted_save_closes_the_master_it_kept_open(tmp_path):
+    from lean_store.stores.hdf5.sharded import HDF5ShardedLayout
+
+    _layout, plans = make_plan([{"layout": LAYOUT, "boxes": b} for b in BOXES])
+    shards = HDF5ShardedLayout()
+    shards.write_metadata(str(tmp_path), 2, plans, 1 << 20)
+    open_before = h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE)
+    shards.abort()
+    assert h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE) == open_before - 1
+    shards.abort()  # twice is harmless
+    with h5py.File(tmp_path / MASTER_NAME, "w"):  # the file is free again
+        pass

@@ -92,45 +92,84 @@ def shard_entry(plan: TensorPlan, k: int, box: Box) -> Entry:
                  plan.entry.format)
 
 
+class OpenMaster:
+    """The master file and its datasets, kept open from the write stage (rank 0 writes the
+    datasets while the other ranks write shards) to the commit, which adds the shard records:
+    the datasets are not opened a second time by name."""
+
+    def __init__(self, file: h5py.File, datasets: list[Any]) -> None:
+        self.file = file
+        self.datasets = datasets  # h5d.DatasetID, one per plan, in plan order
+
+    def close(self) -> None:
+        self.datasets = []
+        if self.file.id.valid:
+            self.file.close()
+
+
 def write_master(work: str, world: int, plans: list[TensorPlan], records: list[str],
-                 root_attrs: dict[str, Any], chunk_bytes: int) -> None:
+                 root_attrs: dict[str, Any], chunk_bytes: int,
+                 master: OpenMaster | None = None) -> None:
     """Rank 0, after every rank succeeded: the master file, ``complete`` written last. Its
-    datasets come from :func:`write_master_datasets` when rank 0 wrote them during the write
-    stage (a master without ``complete`` in the work directory), else are written here."""
+    datasets are ``master`` when rank 0 wrote them during the write stage
+    (:func:`open_master_datasets`), those of a master without ``complete`` in the work
+    directory, or are written here."""
     path = Path(work) / MASTER_NAME
-    if not path.exists():
-        write_master_datasets(work, world, plans, chunk_bytes)
-    manifest: list[dict[str, Any]] = []
-    with h5py.File(path, "r+", libver=MASTER_LIBVER) as f:
-        for plan, shards in zip(plans, records):
+    if master is None:
+        if path.exists():
+            f = h5py.File(path, "r+", libver=MASTER_LIBVER)
+            master = OpenMaster(f, [h5o.open(f.id, node_name(p.entry.name).encode())
+                                    for p in plans])
+        else:
+            master = open_master_datasets(work, world, plans, chunk_bytes)
+    try:
+        manifest: list[dict[str, Any]] = []
+        names = [shard_file_name(r, world) for r in range(world)]
+        for plan, shards, dset in zip(plans, records, master.datasets):
             entry = plan.entry
-            node = node_name(entry.name)
-            dset = h5o.open(f.id, node.encode())
             write_attrs(dset, {"shards": shards})
             attrs = {**tensor_attrs(entry, storage_kind(entry.format)), "shards": shards}
             sources = [] if math.prod(plan.stored_shape) == 0 else [
-                (box, shard_file_name(owner, world), "/" + source_name(entry.index, k))
+                (box, names[owner], "/" + source_name(entry.index, k))
                 for k, (box, owner) in enumerate(plan.shards)]
-            manifest.append(master_record_json(node, attrs, plan.stored_shape, sources))
+            manifest.append(master_record_json(node_name(entry.name), attrs,
+                                               plan.stored_shape, sources))
+        f = master.file
         # every dataset's record in one read (docs/FORMAT.md 6.1.1)
         f.attrs[MASTER_MANIFEST_ATTR] = to_hdf5_attr(master_manifest_text(manifest))
         for key, value in root_attrs.items():
             f.attrs[key] = to_hdf5_attr(value)
         f.attrs["complete"] = 1  # written last: a master without it is incomplete
+    finally:
+        master.close()
 
 
-def write_master_datasets(work: str, world: int, plans: list[TensorPlan],
-                          chunk_bytes: int) -> None:
+def open_master_datasets(work: str, world: int, plans: list[TensorPlan],
+                         chunk_bytes: int) -> OpenMaster:
     """Rank 0: the master file's datasets (each virtual dataset's mappings and the tensor's
     attributes, all but ``shards``, which needs every rank's digests), without root
-    attributes. Done during the write stage, alongside the other ranks' shard writes, so the
-    commit adds only the shard records, the manifest and the root attributes."""
+    attributes, left open for :func:`write_master`. Done during the write stage, alongside the
+    other ranks' shard writes, so the commit adds only the shard records, the manifest and the
+    root attributes. File types, dataspaces and source names are made once each."""
     path = Path(work) / MASTER_NAME
-    with h5py.File(path, "w", libver=MASTER_LIBVER, track_order=True) as f:
+    f = h5py.File(path, "w", libver=MASTER_LIBVER, track_order=True)
+    datasets: list[Any] = []
+    try:
+        ftypes: dict[Any, Any] = {}
+        spaces: dict[tuple[int, ...], Any] = {}
+        files = [shard_file_name(r, world).encode() for r in range(world)]
+
+        def space(shape: tuple[int, ...]) -> Any:
+            if shape not in spaces:
+                spaces[shape] = h5s.create_simple(shape)
+            return spaces[shape]
+
         for plan in plans:
             entry = plan.entry
             shape = plan.stored_shape
-            ftype = hdf5_type(entry.format)
+            ftype = ftypes.get(entry.format)
+            if ftype is None:
+                ftype = ftypes[entry.format] = hdf5_type(entry.format)
             dcpl = h5p.create(h5p.DATASET_CREATE)
             dcpl.set_attr_phase_change(*ATTR_PHASE_CHANGE)  # attributes in the object header
             if math.prod(shape) == 0:
@@ -138,15 +177,26 @@ def write_master_datasets(work: str, world: int, plans: list[TensorPlan],
                 dcpl.set_fletcher32()
             else:
                 for k, (box, owner) in enumerate(plan.shards):
-                    vspace = h5s.create_simple(shape)
+                    vspace = h5s.create_simple(shape)  # a selection of its own per mapping
                     vspace.select_hyperslab(box.offsets, box.lengths)
-                    dcpl.set_virtual(vspace, shard_file_name(owner, world).encode(),
+                    dcpl.set_virtual(vspace, files[owner],
                                      ("/" + source_name(entry.index, k)).encode(),
-                                     h5s.create_simple(box.lengths))
-            dset = h5d.create(f.id, node_name(entry.name).encode(), ftype,
-                              h5s.create_simple(shape), dcpl=dcpl)
+                                     space(box.lengths))
+            dset = h5d.create(f.id, node_name(entry.name).encode(), ftype, space(shape),
+                              dcpl=dcpl)
             # the types and spaces of h5py's attrs[...] = value
             write_attrs(dset, tensor_attrs(entry, storage_kind(entry.format)))
+            datasets.append(dset)
+    except BaseException:
+        OpenMaster(f, datasets).close()
+        raise
+    return OpenMaster(f, datasets)
+
+
+def write_master_datasets(work: str, world: int, plans: list[TensorPlan],
+                          chunk_bytes: int) -> None:
+    """:func:`open_master_datasets`, closed again (the master written in two steps)."""
+    open_master_datasets(work, world, plans, chunk_bytes).close()
 
 
 def is_sharded_dir(path: Any) -> bool:
@@ -548,9 +598,14 @@ class _HDF5RankWriter(RankShardWriter):
 
 
 class HDF5ShardedLayout(ShardedLayout):
-    """One shard file per writing rank and a master file of virtual datasets."""
+    """One shard file per writing rank and a master file of virtual datasets. Rank 0's
+    instance keeps the master open from :meth:`write_metadata` to :meth:`finish` (or
+    :meth:`abort`)."""
 
     checksum = CHECKSUM
+
+    def __init__(self) -> None:
+        self._master: OpenMaster | None = None
 
     def check_target(self, path: Any) -> None:
         require_local(path)
@@ -566,8 +621,15 @@ class HDF5ShardedLayout(ShardedLayout):
 
     def write_metadata(self, work: str, world: int, plans: list[TensorPlan],
                        chunk_bytes: int) -> None:
-        write_master_datasets(work, world, plans, chunk_bytes)
+        self.abort()
+        self._master = open_master_datasets(work, world, plans, chunk_bytes)
 
     def finish(self, work: str, world: int, plans: list[TensorPlan], records: list[str],
                root_attrs: dict[str, Any], chunk_bytes: int) -> None:
-        write_master(work, world, plans, records, root_attrs, chunk_bytes)
+        master, self._master = self._master, None
+        write_master(work, world, plans, records, root_attrs, chunk_bytes, master)
+
+    def abort(self) -> None:
+        if self._master is not None:
+            master, self._master = self._master, None
+            master.close()
