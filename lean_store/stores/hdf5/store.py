@@ -56,7 +56,13 @@ from .blosc import (
 from .checks import check_hdf5_present, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
-from .header_attrs import HeaderAttributes, header_match, learn_header
+from .header_attrs import (
+    ExpectedAttr,
+    HeaderAttributes,
+    expected_attr,
+    header_match,
+    learn_header,
+)
 from .libhdf5 import chunk_lock, library
 from .manifest import (
     MANIFEST_ATTR,
@@ -635,7 +641,7 @@ class HDF5Reader(StoreReader):
         self._tables[node] = record.table
         self._geometry[node] = (found.shape, found.chunks, found.itemsize)
         self._plain[node] = found.blosc is None
-        if header_match(found.attributes, _written_attrs(record)):
+        if header_match(found.attributes, _expected_attrs(record)):
             self._attrs_checked.add(node)
         else:  # compared through libhdf5 at the first read (check_attributes)
             self._header_differs.add(node)
@@ -729,16 +735,18 @@ class HDF5Reader(StoreReader):
         if record is None:
             return
         dsid = self._dsid(node)
-        expected = _written_attrs(record)
-        messages = self._headers.attribute_messages(dsid, len(expected))
-        if node not in self._header_differs and header_match(messages, expected):
-            # the header holds the bytes libhdf5 confirmed
-            self._attrs_checked.add(node)
-            return
-        if attrs_match(dsid, expected):  # exactly as written: no decoding
-            learn_header(messages, expected)
-            self._attrs_checked.add(node)
-            return
+        expected = _expected_attrs(record)
+        if expected is not None:  # else a value no attribute can hold: named below
+            messages = self._headers.attribute_messages(dsid, len(expected))
+            if node not in self._header_differs and header_match(messages, expected):
+                # the header holds the bytes libhdf5 confirmed
+                self._attrs_checked.add(node)
+                return
+            encoded = _written_attrs(record)
+            if attrs_match(dsid, encoded):  # exactly as written: no decoding
+                learn_header(messages, expected, encoded)
+                self._attrs_checked.add(node)
+                return
         names = [*record.attrs, CHUNK_CRC_ATTR]  # read and compared, to name the difference
         try:
             attrs = read_attrs(dsid, repr(node), names)
@@ -1155,6 +1163,18 @@ def _written_attrs(record: TensorRecord) -> list[EncodedAttr]:
     """The attributes the writer put on the dataset of ``record``, encoded as it wrote them."""
     return [*(encode_attr(k, v) for k, v in record.attrs.items()),
             encode_attr(CHUNK_CRC_ATTR, record.table)]
+
+
+def _expected_attrs(record: TensorRecord) -> list[ExpectedAttr] | None:
+    """The attributes of :func:`_written_attrs` as bytes (:func:`.header_attrs.expected_attr`),
+    in the same order; None when a value in the record cannot be an attribute (an int past
+    int64 in a hostile manifest, ...): the dataset's attributes are then read and compared
+    value by value, which names the difference."""
+    try:
+        return [*(expected_attr(k, v) for k, v in record.attrs.items()),
+                expected_attr(CHUNK_CRC_ATTR, record.table)]
+    except (OverflowError, ValueError, TypeError):
+        return None
 
 
 def _precision(ftype: Any) -> int:
