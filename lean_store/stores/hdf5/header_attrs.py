@@ -20,7 +20,14 @@ import numpy as np
 from h5py import h5a, h5d, h5o
 
 from .attrs import EncodedAttr, encode_attr
-from .header import AttributeMessage, attribute_messages, plain_superblock
+from .crc_table import CHUNK_CRC_ATTR
+from .header import (
+    AttributeMessage,
+    KnownMessages,
+    attribute_message_head,
+    attribute_messages,
+    plain_superblock,
+)
 from .header_layout import SingleChunk, single_chunk
 from .libhdf5 import library
 
@@ -53,10 +60,12 @@ class HeaderAttributes:
         return attribute_messages(lambda n, at: os.pread(fd, n, at), found[0],
                                   self._file_size)
 
-    def single_chunk(self, address: int) -> SingleChunk | None:
+    def single_chunk(self, address: int, known: KnownMessages | None = None
+                     ) -> SingleChunk | None:
         """The one-chunk dataset whose object header is at ``address`` (the root group's hard
-        link to it says so), read from the file's bytes (:mod:`.header_layout`); None where
-        it is not one or headers cannot be read here."""
+        link to it says so), read from the file's bytes (:mod:`.header_layout`; ``known``:
+        see :func:`known_messages`); None where it is not one or headers cannot be read
+        here."""
         fd = self._fd
         if fd is None:
             return None
@@ -65,7 +74,8 @@ class HeaderAttributes:
                 self._plain = plain_superblock(os.pread(fd, 48, 0))
             if not self._plain:
                 return None
-            return single_chunk(lambda n, at: os.pread(fd, n, at), address, self._file_size)
+            return single_chunk(lambda n, at: os.pread(fd, n, at), address, self._file_size,
+                                known)
         except OSError:
             return None
 
@@ -149,6 +159,34 @@ def expected_attr(key: str, value: Any) -> ExpectedAttr:
     return attr.name, (attr.name, id(attr.ftype), attr.data.shape), attr.raw
 
 
+_PER_TENSOR = frozenset({"index", "name", "crc32c"})
+"""Keys whose value differs from tensor to tensor (:func:`lean_store.metadata.tensor_attrs`,
+and the digest): not remembered by :func:`expected_attrs`."""
+_REMEMBERED: dict[tuple[str, Any], ExpectedAttr] = {}  # (key, str or int value) -> its attribute
+
+
+def expected_attrs(attrs: dict[str, Any], table: np.ndarray) -> list[ExpectedAttr]:
+    """:func:`expected_attr` of every item of ``attrs``, then of the ``chunk_crc32c``
+    ``table``, in that order. A string or int under a key other than the per-tensor ones (a
+    format's parameters: the same for every tensor of the format) is made once and
+    remembered. Raises what :func:`expected_attr` raises."""
+    out = []
+    remembered = _REMEMBERED.get
+    for key, value in attrs.items():
+        kind = type(value)
+        if (kind is str or kind is int) and key not in _PER_TENSOR:
+            found = remembered((key, value))
+            if found is None:
+                if len(_REMEMBERED) >= MAX_CONFIRMED:
+                    _REMEMBERED.clear()
+                found = _REMEMBERED[(key, value)] = expected_attr(key, value)
+            out.append(found)
+        else:
+            out.append(expected_attr(key, value))
+    out.append(expected_attr(CHUNK_CRC_ATTR, table))
+    return out
+
+
 def header_match(messages: dict[bytes, AttributeMessage] | None,
                  expected: list[ExpectedAttr] | None) -> bool:
     """True when the attribute messages read from an object header (:mod:`.header`) are
@@ -172,6 +210,39 @@ def header_match(messages: dict[bytes, AttributeMessage] | None,
     return True
 
 
+_HEADS: dict[tuple[Hashable, int], list[tuple[bytes, int, bytes]]] = {}
+"""(kind of attribute, bytes of its data) -> (the message's bytes before its data, message
+flags, prefix) for each confirmed encoding of that kind (:data:`_CONFIRMED`): see
+:func:`known_messages`. Forgotten whenever :data:`_CONFIRMED` changes."""
+
+
+def known_messages(expected: list[ExpectedAttr]) -> KnownMessages:
+    """The whole bytes of each attribute message ``expected`` may be in a header (one per
+    encoding libhdf5 confirmed for its kind, with exactly its data bytes, no padding) -> its
+    name and message: :func:`.header.attribute_messages` then takes such a message without
+    parsing it. Attributes of a kind not yet confirmed are left out (their messages are
+    parsed, and :func:`header_match` says no to them)."""
+    out: KnownMessages = {}
+    heads_of = _HEADS.get
+    for name, kind, raw in expected:
+        heads = heads_of((kind, len(raw)))
+        if heads is None:
+            confirmed = _CONFIRMED.get(kind)
+            if not confirmed:
+                continue
+            heads = []
+            for flags, prefix in confirmed:
+                head = attribute_message_head(flags, prefix, len(raw))
+                if head is not None:
+                    heads.append((head, flags, prefix))
+            if len(_HEADS) >= MAX_CONFIRMED:
+                _HEADS.clear()
+            _HEADS[(kind, len(raw))] = heads
+        for head, flags, prefix in heads:
+            out[head + raw] = (name, (flags, prefix, raw))
+    return out
+
+
 def learn_header(messages: dict[bytes, AttributeMessage] | None,
                  expected: list[ExpectedAttr] | None, encoded: list[EncodedAttr]) -> None:
     """Remember how the header of an object encodes each attribute of ``expected``, after
@@ -185,6 +256,7 @@ def learn_header(messages: dict[bytes, AttributeMessage] | None,
         return
     if len(_CONFIRMED) >= MAX_CONFIRMED:
         _CONFIRMED.clear()
+        _HEADS.clear()
     for (name, kind, raw), attr in zip(expected, encoded):
         message = messages.get(name)
         data = None if message is None else message[2]
@@ -196,5 +268,6 @@ def learn_header(messages: dict[bytes, AttributeMessage] | None,
         known = _CONFIRMED.get(kind)
         if known is None:
             known = _CONFIRMED[kind] = set()
-        if len(known) < 8:
+        if len(known) < 8 and (message[0], message[1]) not in known:
             known.add((message[0], message[1]))
+            _HEADS.clear()  # made again from _CONFIRMED as needed

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from ..blosc_frames import HEADER, frame_size_limit
 from .blosc import BLOSC_FILTER, blosc_parameters
-from .header import AttributeMessage, OtherMessage, attribute_messages
+from .header import AttributeMessage, KnownMessages, OtherMessage, attribute_messages
 
 _DATASPACE, _DATATYPE, _FILL_VALUE, _LAYOUT, _PIPELINE, _MODIFIED = (
     0x01, 0x03, 0x05, 0x08, 0x0B, 0x12)
@@ -82,14 +82,15 @@ class _Cached:
         return data
 
 
-def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: int
-                 ) -> SingleChunk | None:
+def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: int,
+                 known: KnownMessages | None = None) -> SingleChunk | None:
     """The dataset whose object header is at ``address`` (``pread(size, offset)`` reads the
     file of ``file_size`` bytes), when it is one chunk, unfiltered or Blosc as the module text
-    says; None for anything else."""
+    says; None for anything else. ``known``: attribute messages known in advance
+    (:func:`.header.attribute_messages`)."""
     cached = _Cached(pread)
     others: list[OtherMessage] = []
-    attributes = attribute_messages(cached, address, file_size, others)
+    attributes = attribute_messages(cached, address, file_size, others, known)
     if attributes is None:
         return None
     bodies: dict[int, tuple[int, bytes]] = {}

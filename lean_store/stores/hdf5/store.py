@@ -59,8 +59,9 @@ from .deflate import DeflateChunks
 from .header_attrs import (
     ExpectedAttr,
     HeaderAttributes,
-    expected_attr,
+    expected_attrs,
     header_match,
+    known_messages,
     learn_header,
 )
 from .libhdf5 import chunk_lock, library
@@ -626,7 +627,9 @@ class HDF5Reader(StoreReader):
         address = self._addresses.get(node)
         if address is None or node in self._datasets:
             return None
-        found = self._headers.single_chunk(address)
+        expected = _expected_attrs(record)
+        found = self._headers.single_chunk(
+            address, None if expected is None else known_messages(expected))
         if found is None or found.shape != record.stored_shape or (
             found.chunks != record.chunks
         ) or record.table.size != 1:
@@ -641,7 +644,7 @@ class HDF5Reader(StoreReader):
         self._tables[node] = record.table
         self._geometry[node] = (found.shape, found.chunks, found.itemsize)
         self._plain[node] = found.blosc is None
-        if header_match(found.attributes, _expected_attrs(record)):
+        if header_match(found.attributes, expected):
             self._attrs_checked.add(node)
         else:  # compared through libhdf5 at the first read (check_attributes)
             self._header_differs.add(node)
@@ -1171,8 +1174,7 @@ def _expected_attrs(record: TensorRecord) -> list[ExpectedAttr] | None:
     int64 in a hostile manifest, ...): the dataset's attributes are then read and compared
     value by value, which names the difference."""
     try:
-        return [*(expected_attr(k, v) for k, v in record.attrs.items()),
-                expected_attr(CHUNK_CRC_ATTR, record.table)]
+        return expected_attrs(record.attrs, record.table)
     except (OverflowError, ValueError, TypeError):
         return None
 
