@@ -45,6 +45,10 @@ _UNDEFINED = 2**64 - 1
 _BTREE_HEAD = struct.Struct("<4sBBHQQ")  # "TREE", node type, level, entries, left, right
 _KEY_HEAD = struct.Struct("<II")  # a chunk key: stored size, filter mask (then its offsets)
 _RAW_DATA_NODE = 1  # B-tree node type of a chunked dataset's index
+_LEAF_HEAD = _BTREE_HEAD.pack(b"TREE", _RAW_DATA_NODE, 0, 1, _UNDEFINED, _UNDEFINED)
+"""The first bytes of the only B-tree node of a dataset of one chunk: a raw data node, a leaf
+(level 0) of one entry, no left or right sibling. Compared as bytes, not unpacked."""
+_KNOWN_KINDS = frozenset(_ONCE + _AT_MOST_ONCE)
 _MAX_RANK = 32
 
 
@@ -95,10 +99,10 @@ def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: in
         return None
     bodies: dict[int, tuple[int, bytes]] = {}
     for kind, flags, body in others:
-        if kind not in _ONCE + _AT_MOST_ONCE or kind in bodies:
+        if kind not in _KNOWN_KINDS or kind in bodies:
             return None
         bodies[kind] = (flags, body)
-    if any(kind not in bodies for kind in _ONCE):
+    if _DATASPACE not in bodies or _DATATYPE not in bodies or _LAYOUT not in bodies:
         return None
     shape = _dataspace(bodies[_DATASPACE][1])
     datatype = bodies[_DATATYPE]
@@ -146,6 +150,17 @@ def blosc_pipeline(message: tuple[int, bytes], itemsize: int, chunk_nbytes: int
     return None
 
 
+_UNPACKERS: dict[tuple[str, int], Callable[..., tuple[int, ...]]] = {}
+
+
+def _unpacker(code: str, count: int) -> Callable[..., tuple[int, ...]]:
+    """``unpack_from`` of ``count`` little-endian values of ``code``, made once per count."""
+    found = _UNPACKERS.get((code, count))
+    if found is None:
+        found = _UNPACKERS[(code, count)] = struct.Struct(f"<{count}{code}").unpack_from
+    return found
+
+
 def _dataspace(body: bytes) -> tuple[int, ...] | None:
     """The dimensions of a version 2 simple dataspace whose maximum (if given) is its size."""
     if len(body) < 4 or body[0] != 2 or body[3] != 1 or body[2] & ~0x01:
@@ -154,7 +169,7 @@ def _dataspace(body: bytes) -> tuple[int, ...] | None:
     count = rank * (2 if body[2] & 0x01 else 1)
     if rank > _MAX_RANK or len(body) != 4 + 8 * count:
         return None
-    values = struct.unpack_from(f"<{count}Q", body, 4)
+    values = _unpacker("Q", count)(body, 4)
     dims = tuple(values[:rank])
     if body[2] & 0x01 and values[rank:] != dims:
         return None
@@ -165,10 +180,10 @@ def _layout(body: bytes, rank: int, itemsize: int) -> tuple[int, tuple[int, ...]
     """(address of the v1 B-tree, chunk shape) of a version 3 chunked layout message of a
     dataset of ``rank`` whose last chunk dimension is the item size."""
     ndims = rank + 1
-    if len(body) != 11 + 4 * ndims or body[:3] != bytes((3, 2, ndims)):
+    if len(body) != 11 + 4 * ndims or body[0] != 3 or body[1] != 2 or body[2] != ndims:
         return None
     index = int.from_bytes(body[3:11], "little")
-    dims = struct.unpack_from(f"<{ndims}I", body, 11)
+    dims = _unpacker("I", ndims)(body, 11)
     if dims[-1] != itemsize or 0 in dims:
         return None
     return index, tuple(dims[:-1])
@@ -179,22 +194,18 @@ def _only_chunk(pread: Callable[[int, int], bytes], index: int, ndims: int,
     """(file position, stored bytes) of the one chunk a v1 B-tree at ``index`` holds: a leaf
     with one entry, no siblings, keyed at offset 0, no filter skipped (mask 0), of ``sizes``
     (least, most) bytes inside the file."""
-    need = _BTREE_HEAD.size + _KEY_HEAD.size + 8 * ndims + 8
+    at = _BTREE_HEAD.size + _KEY_HEAD.size  # the key's offsets, after its size and mask
+    need = at + 8 * ndims + 8
     if index == _UNDEFINED or index + need > file_size:
         return None
     node = pread(need, index)
-    if len(node) != need:
+    if len(node) != need or not node.startswith(_LEAF_HEAD):
         return None
-    sig, kind, level, entries, left, right = _BTREE_HEAD.unpack_from(node)
-    if (sig, kind, level, entries, left, right) != (b"TREE", _RAW_DATA_NODE, 0, 1, _UNDEFINED,
-                                                    _UNDEFINED):
+    stored = int.from_bytes(node[_BTREE_HEAD.size:_BTREE_HEAD.size + 4], "little")
+    # the filter mask and the chunk's offsets: every byte 0 (counted, not copied)
+    if not sizes[0] <= stored <= sizes[1] or node.count(0, at - 4, need - 8) != 4 + 8 * ndims:
         return None
-    at = _BTREE_HEAD.size
-    stored, mask = _KEY_HEAD.unpack_from(node, at)
-    at += _KEY_HEAD.size
-    if not sizes[0] <= stored <= sizes[1] or mask != 0 or any(node[at:at + 8 * ndims]):
-        return None
-    offset = int.from_bytes(node[at + 8 * ndims:need], "little")
+    offset = int.from_bytes(node[need - 8:need], "little")
     if offset + stored > file_size:
         return None
     return offset, stored
