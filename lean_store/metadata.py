@@ -47,6 +47,21 @@ def tensor_attrs(entry: Entry, storage: str) -> dict[str, Any]:
     return attrs
 
 
+_IDENTITY: dict[ScalarFormat, tuple[tuple[str, Any], ...]] = {}
+"""format -> the (key, value) pairs of :func:`format_attrs` a reader compares (``storage``
+apart): made once per format, not per tensor (a state has few formats, many tensors)."""
+
+
+def _format_identity(fmt: ScalarFormat) -> tuple[tuple[str, Any], ...]:
+    found = _IDENTITY.get(fmt)
+    if found is None:
+        if len(_IDENTITY) >= 256:
+            _IDENTITY.clear()
+        found = _IDENTITY[fmt] = tuple(
+            (k, v) for k, v in format_attrs(fmt, "").items() if k != "storage")
+    return found
+
+
 def format_attrs(fmt: ScalarFormat, storage: str) -> dict[str, Any]:
     """The attributes of a tensor of ``fmt`` that depend on its format alone, in the order
     :func:`tensor_attrs` writes them (after ``index``, ``name`` and ``shape``)."""
@@ -175,17 +190,16 @@ def check_stored(reader: StoreReader, layout: Layout, where: str) -> dict[str, S
 def _check_tensor(reader: StoreReader, entry: Entry, info: StoredTensor) -> list[str]:
     attrs, name = info.attrs, entry.name
     problems = []
-    wanted = tensor_attrs(entry, attrs.get("storage", ""))
-    for key in wanted:  # identity and the format's parameters (redundant, so a flip shows)
-        if key == "storage":
-            continue
-        got = attrs.get(key)
+    get = attrs.get
+    # identity and the format's parameters (redundant, so a flip shows), in the order
+    # tensor_attrs writes them; the format's part made once per format
+    for key, want in (("index", entry.index), ("name", name), ("shape", tuple(entry.shape)),
+                      *_format_identity(entry.format)):
+        got = get(key)
         if key == "shape" and isinstance(got, list):
             got = tuple(got)
-        if got != wanted[key]:
-            problems.append(
-                f"tensor {name!r}: attribute {key} is {got!r}, layout says {wanted[key]!r}"
-            )
+        if got != want:
+            problems.append(f"tensor {name!r}: attribute {key} is {got!r}, layout says {want!r}")
     shape = reader.stored_shape_of(entry)
     if info.stored_shape != shape:
         problems.append(
