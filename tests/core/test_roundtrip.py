@@ -189,6 +189,8 @@ NEIGHBOUR_NAMES = {
     ".zmetadata": "%2Ezmetadata", "__c": "%5F_c",
     "c": "c",  # an array's chunk prefix, but the root group has no chunks
     "a/zarr.json": "a%2Fzarr.json", "zarr.json/c": "zarr.json%2Fc", "zarr.json.1": "zarr.json.1",
+    # lean_store's own root attributes and sharded files: other namespaces, nothing to escape
+    "manifest": "manifest", "lean_store.h5": "lean_store.h5", "t000000-s00000": "t000000-s00000",
 }
 
 
