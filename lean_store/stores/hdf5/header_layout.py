@@ -13,6 +13,9 @@ which is what lean_store writes for a tensor of one chunk (``v108`` bounds):
   storage, nothing shared, nothing else;
 - a layout message of version 3, chunked, whose v1 B-tree is one leaf holding one chunk, at
   offset 0, unfiltered (mask 0), of exactly the chunk's bytes, inside the file;
+- or the same with one filter pipeline message holding Fletcher-32 alone (what
+  ``checksum="fletcher32+crc32c"`` writes without compression: version 2, one mandatory filter,
+  no values): its one chunk is the chunk's bytes and their 4-byte checksum, no filter skipped;
 - or the same with one filter pipeline message holding exactly what ``compression="weights"``
   writes (:func:`blosc_pipeline`: version 2, Blosc 32001 optional with the seven parameters
   lean_store gives it, then Fletcher-32 if the checksum asks for it): its one chunk is stored
@@ -41,6 +44,10 @@ _DATASPACE, _DATATYPE, _FILL_VALUE, _LAYOUT, _PIPELINE, _MODIFIED = (
 _ONCE = (_DATASPACE, _DATATYPE, _LAYOUT)  # exactly one each
 _AT_MOST_ONCE = (_FILL_VALUE, _MODIFIED, _PIPELINE)  # the pipeline: checked exactly
 _FLETCHER32_FILTER = 3  # H5Z_FILTER_FLETCHER32
+_FLETCHER32_SIZE = 4  # the checksum libhdf5 appends to each chunk
+# the pipeline message (flags, body) of Fletcher-32 alone: constant, version 2, one filter,
+# mandatory, no values
+_FLETCHER32_ALONE = (1, bytes((2, 1)) + struct.pack("<HHH", _FLETCHER32_FILTER, 0, 0))
 _UNDEFINED = 2**64 - 1
 _BTREE_HEAD = struct.Struct("<4sBBHQQ")  # "TREE", node type, level, entries, left, right
 _KEY_HEAD = struct.Struct("<II")  # a chunk key: stored size, filter mask (then its offsets)
@@ -49,8 +56,8 @@ _MAX_RANK = 32
 
 
 class SingleChunk(NamedTuple):
-    """A dataset of one chunk, unfiltered or Blosc-compressed as ``compression="weights"``
-    writes it, as its object header and chunk index say."""
+    """A dataset of one chunk, unfiltered, Fletcher-32 alone, or Blosc-compressed as
+    ``compression="weights"`` writes it, as its object header and chunk index say."""
 
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
@@ -59,7 +66,8 @@ class SingleChunk(NamedTuple):
     offset: int  # the chunk's file position
     size: int  # its stored bytes: the chunk shape's values times the item size, unfiltered
     attributes: dict[bytes, AttributeMessage]
-    blosc: bool | None = None  # None: unfiltered; else a Blosc frame, Fletcher-32 after it?
+    blosc: bool | None = None  # None: no Blosc; else a Blosc frame, Fletcher-32 after it?
+    fletcher32: bool = False  # no Blosc, the chunk's bytes then their Fletcher-32 checksum
 
 
 class _Cached:
@@ -85,8 +93,8 @@ class _Cached:
 def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: int
                  ) -> SingleChunk | None:
     """The dataset whose object header is at ``address`` (``pread(size, offset)`` reads the
-    file of ``file_size`` bytes), when it is one chunk, unfiltered or Blosc as the module text
-    says; None for anything else."""
+    file of ``file_size`` bytes), when it is one chunk, unfiltered, Fletcher-32 alone or Blosc
+    as the module text says; None for anything else."""
     cached = _Cached(pread)
     others: list[OtherMessage] = []
     attributes = attribute_messages(cached, address, file_size, others)
@@ -113,17 +121,21 @@ def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: in
     size = math.prod(chunks) * itemsize
     sizes = (size, size)
     blosc = None
-    if _PIPELINE in bodies:
+    fletcher32 = bodies.get(_PIPELINE) == _FLETCHER32_ALONE
+    if fletcher32:
+        sizes = (size + _FLETCHER32_SIZE, size + _FLETCHER32_SIZE)
+    elif _PIPELINE in bodies:
         blosc = blosc_pipeline(bodies[_PIPELINE], itemsize, size)
         if blosc is None:
             return None
         sizes = (HEADER, frame_size_limit(size)) if not blosc else (
-            HEADER + 4, frame_size_limit(size) + 4)
+            HEADER + _FLETCHER32_SIZE, frame_size_limit(size) + _FLETCHER32_SIZE)
     found = _only_chunk(cached, index, len(shape) + 1, sizes, file_size)
     if found is None:
         return None
     offset, stored = found
-    return SingleChunk(shape, chunks, itemsize, datatype, offset, stored, attributes, blosc)
+    return SingleChunk(shape, chunks, itemsize, datatype, offset, stored, attributes, blosc,
+                       fletcher32)
 
 
 def blosc_pipeline(message: tuple[int, bytes], itemsize: int, chunk_nbytes: int

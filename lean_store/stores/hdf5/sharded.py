@@ -506,6 +506,10 @@ class ShardedHDF5Reader(HDF5Reader):
                 raise IntegrityError(f"shard file {fname} of {self.directory} is missing")
             reader = HDF5Reader(path)
             self._sources[fname] = reader
+            # its root group listed once: the object header addresses its one-chunk datasets
+            # are read from (never opened through libhdf5), and any link that is not a hard
+            # link to a dataset refused
+            reader.nodes()
             for dset in self._trusted.pop(fname, []):
                 reader.trust_attributes(dset)
         return reader
