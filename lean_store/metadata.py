@@ -26,7 +26,7 @@ from .errors import (
 from .formats import BinaryFormat, ComplexFormat, ScalarFormat, get
 from .hardening import json_depth
 from .layout import Entry, Layout
-from .naming import node_name
+from .naming import legacy_node_name, node_name
 from .stores.base import FORMAT_VERSION, StoredTensor, StoreReader
 from .stores.target import FORMAT_NAME
 
@@ -166,12 +166,12 @@ def parse_root(
 def check_stored(reader: StoreReader, layout: Layout, where: str) -> dict[str, StoredTensor]:
     """Compare every dataset with the layout; raise one IntegrityError listing every problem."""
     problems: list[str] = []
-    expected_nodes = {node_name(e.name): e for e in layout}
     nodes = reader.nodes()
+    present = set(nodes)  # a list scan per tensor would make the open quadratic
+    expected_nodes = {_node_of(e.name, present): e for e in layout}
     for node in nodes:
         if node not in expected_nodes:
             problems.append(f"dataset {node!r} is not in the layout")
-    present = set(nodes)  # a list scan per tensor would make the open quadratic
     stored: dict[str, StoredTensor] = {}
     for node, entry in expected_nodes.items():
         if node not in present:
@@ -185,6 +185,18 @@ def check_stored(reader: StoreReader, layout: Layout, where: str) -> dict[str, S
             f"{where}: stored data does not match its layout:\n{listing(problems)}"
         )
     return stored
+
+
+def _node_of(name: str, present: set[str]) -> str:
+    """The node of tensor ``name``: its node name (FORMAT.md 2.1), unless the store lacks it
+    and holds the node name writers gave it before reserved names were escaped (``zarr.json``
+    in any case: HDF5 files, and Zarr stores on case-sensitive file systems, could hold it)."""
+    node = node_name(name)
+    if node not in present:
+        old = legacy_node_name(name)
+        if old is not None and old in present:
+            return old
+    return node
 
 
 def _check_tensor(reader: StoreReader, entry: Entry, info: StoredTensor) -> list[str]:
