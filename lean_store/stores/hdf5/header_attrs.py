@@ -231,7 +231,7 @@ def known_messages(expected: list[ExpectedAttr]) -> KnownMessages:
             if not confirmed:
                 continue
             heads = []
-            for flags, prefix in confirmed:
+            for flags, prefix in tuple(confirmed):  # a copy: a load in another thread may add
                 head = attribute_message_head(flags, prefix, len(raw))
                 if head is not None:
                     heads.append((head, flags, prefix))
