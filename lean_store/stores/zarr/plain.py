@@ -17,6 +17,7 @@ import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,14 @@ class PlainArray:
     def grid(self) -> tuple[int, ...]:
         """The shape of one file's cell: the shard, or the chunk when unsharded."""
         return self.shards or self.chunks
+
+    @cached_property
+    def read_checks_length(self) -> bool:
+        """One uncompressed chunk file holds the whole, non-empty array: every direct read of
+        it reads the whole file and checks its length (one byte more asked), so the walk of
+        the tree need not ``stat`` it (:func:`.checks.check_zarr_present`)."""
+        return self.shards is None and not self.compressed and all(self.shape) \
+            and all(c >= d for c, d in zip(self.chunks, self.shape))
 
     def key(self, coords: tuple[int, ...]) -> str:
         """The key (relative to the array) of the chunk (shard) file at grid ``coords``: the
