@@ -20,6 +20,7 @@ from lean_store.checkpoint import Checkpoint
 from lean_store.errors import IntegrityError, UnsafeFileError
 from lean_store.hardening import MAX_METADATA_BYTES, MAX_TREE_DEPTH, file_kind
 from lean_store.stores.zarr.checks import LocalTree, scan_local_zarr
+from lean_store.stores.zarr.plain import PlainArray
 
 
 def _old_walk(root: Path) -> dict[str, int]:
@@ -304,3 +305,18 @@ def test_multi_chunk_files_still_sized_on_open(tmp_path: Path, count: int,
     chunks[0].write_bytes(chunks[0].read_bytes()[:-1])
     with pytest.raises(IntegrityError, match="'rows'.*truncated"):
         Checkpoint(path)
+
+
+@pytest.mark.parametrize("shape, chunks, shards, compressed, want", [
+    ((5,), (5,), None, False, ("n/c/0", 5 * 4 + 4)),
+    ((2, 3), (4, 8), None, False, ("n/c/0/0", 4 * 8 * 4 + 4)),  # a chunk beyond the array
+    ((5,), (5,), None, True, None),  # compressed: no exact size
+    ((10, 4), (3, 4), None, False, None),  # several chunks: sized on open
+    ((64, 2), (8, 2), (32, 2), False, None),  # sharded: sized on open
+    ((0, 3), (1, 3), None, False, None),  # empty: no file
+])
+def test_length_checked_file(shape: tuple[int, ...], chunks: tuple[int, ...],
+                             shards: tuple[int, ...] | None, compressed: bool,
+                             want: tuple[str, int] | None) -> None:
+    array = PlainArray("n", {}, shape, np.dtype("float32"), chunks, shards, compressed)
+    assert array.length_checked_file == want

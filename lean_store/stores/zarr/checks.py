@@ -312,16 +312,17 @@ def zarr_expected_file_size(array: Any, coords: tuple[int, ...]) -> int | None:
 
 def check_zarr_present(node: str, array: Any, tree: LocalTree) -> None:
     """Every chunk (shard) file is present and, uncompressed, exactly the right size. The one
-    file of a one-chunk array of the direct layout (:attr:`.plain.PlainArray.read_checks_length`)
-    is only looked up: its read checks its length, and so does :func:`check_zarr_lengths`
-    (``check_metadata``, before a load installs anything), without a ``stat`` on open."""
+    file of a one-chunk array of the direct layout (:attr:`.plain.PlainArray.
+    length_checked_file`) is only looked up, without a ``stat``: its read checks its length,
+    and so does :func:`check_zarr_lengths` (``check_metadata``, which a load runs on every
+    tensor before it installs any)."""
     if math.prod(array.shape) == 0:
         return
     found = tree.files
-    if isinstance(array, PlainArray) and array.read_checks_length:
-        for key, _coords, _size in array.files():  # its one file: looked up, not stat'ed
-            if key not in found:
-                raise _missing(node, key)
+    one = array.length_checked_file if isinstance(array, PlainArray) else None
+    if one is not None:  # its one file: looked up, not stat'ed
+        if one[0] not in found:
+            raise _missing(node, one[0])
         return
     present = tree.under(node)
     if isinstance(array, PlainArray):  # keys and sizes from the document alone
@@ -342,11 +343,9 @@ def check_zarr_present(node: str, array: Any, tree: LocalTree) -> None:
 def check_zarr_lengths(node: str, array: Any, tree: LocalTree) -> None:
     """The length of every file :func:`check_zarr_present` left to the read (the one file of
     a one-chunk array of the direct layout), checked now: one ``lstat``."""
-    if not isinstance(array, PlainArray) or not array.read_checks_length:
-        return
-    for key, _coords, size in array.files():
-        if size is not None:
-            _check_size(node, key, tree.size(key), size)
+    one = array.length_checked_file if isinstance(array, PlainArray) else None
+    if one is not None:
+        _check_size(node, one[0], tree.size(one[0]), one[1])
 
 
 def _missing(node: str, key: str) -> IntegrityError:

@@ -61,12 +61,17 @@ class PlainArray:
         return self.shards or self.chunks
 
     @cached_property
-    def read_checks_length(self) -> bool:
-        """One uncompressed chunk file holds the whole, non-empty array: every direct read of
-        it reads the whole file and checks its length (one byte more asked), so the walk of
-        the tree need not ``stat`` it (:func:`.checks.check_zarr_present`)."""
-        return self.shards is None and not self.compressed and all(self.shape) \
-            and all(c >= d for c, d in zip(self.chunks, self.shape))
+    def length_checked_file(self) -> tuple[str, int] | None:
+        """(key below the store root, exact size) of the one uncompressed chunk file that
+        holds the whole, non-empty array, else None. Every direct read of such a file reads it
+        whole and checks its length (one byte more asked), so the walk of the tree need not
+        ``stat`` it (:func:`.checks.check_zarr_present`)."""
+        if self.shards is None and not self.compressed and all(self.shape) \
+                and all(c >= d for c, d in zip(self.chunks, self.shape)):
+            key, _coords, size = next(self.files())
+            assert size is not None  # uncompressed: its exact size
+            return key, size
+        return None
 
     def key(self, coords: tuple[int, ...]) -> str:
         """The key (relative to the array) of the chunk (shard) file at grid ``coords``: the
