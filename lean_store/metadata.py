@@ -26,7 +26,7 @@ from .errors import (
 from .formats import BinaryFormat, ComplexFormat, ScalarFormat, get
 from .hardening import json_depth
 from .layout import Entry, Layout
-from .naming import node_name
+from .naming import legacy_node_name, node_name
 from .stores.base import FORMAT_VERSION, StoredTensor, StoreReader
 from .stores.target import FORMAT_NAME
 
@@ -45,6 +45,21 @@ def tensor_attrs(entry: Entry, storage: str) -> dict[str, Any]:
     }
     attrs.update(format_attrs(entry.format, storage))
     return attrs
+
+
+_IDENTITY: dict[ScalarFormat, tuple[tuple[str, Any], ...]] = {}
+"""format -> the (key, value) pairs of :func:`format_attrs` a reader compares (``storage``
+apart): made once per format, not per tensor (a state has few formats, many tensors)."""
+
+
+def _format_identity(fmt: ScalarFormat) -> tuple[tuple[str, Any], ...]:
+    found = _IDENTITY.get(fmt)
+    if found is None:
+        if len(_IDENTITY) >= 256:
+            _IDENTITY.clear()
+        found = _IDENTITY[fmt] = tuple(
+            (k, v) for k, v in format_attrs(fmt, "").items() if k != "storage")
+    return found
 
 
 def format_attrs(fmt: ScalarFormat, storage: str) -> dict[str, Any]:
@@ -151,12 +166,12 @@ def parse_root(
 def check_stored(reader: StoreReader, layout: Layout, where: str) -> dict[str, StoredTensor]:
     """Compare every dataset with the layout; raise one IntegrityError listing every problem."""
     problems: list[str] = []
-    expected_nodes = {node_name(e.name): e for e in layout}
     nodes = reader.nodes()
+    present = set(nodes)  # a list scan per tensor would make the open quadratic
+    expected_nodes = {_node_of(e.name, present): e for e in layout}
     for node in nodes:
         if node not in expected_nodes:
             problems.append(f"dataset {node!r} is not in the layout")
-    present = set(nodes)  # a list scan per tensor would make the open quadratic
     stored: dict[str, StoredTensor] = {}
     for node, entry in expected_nodes.items():
         if node not in present:
@@ -172,20 +187,31 @@ def check_stored(reader: StoreReader, layout: Layout, where: str) -> dict[str, S
     return stored
 
 
+def _node_of(name: str, present: set[str]) -> str:
+    """The node of tensor ``name``: its node name (FORMAT.md 2.1), unless the store lacks it
+    and holds the node name writers gave it before reserved names were escaped (``zarr.json``
+    in any case: HDF5 files, and Zarr stores on case-sensitive file systems, could hold it)."""
+    node = node_name(name)
+    if node not in present:
+        old = legacy_node_name(name)
+        if old is not None and old in present:
+            return old
+    return node
+
+
 def _check_tensor(reader: StoreReader, entry: Entry, info: StoredTensor) -> list[str]:
     attrs, name = info.attrs, entry.name
     problems = []
-    wanted = tensor_attrs(entry, attrs.get("storage", ""))
-    for key in wanted:  # identity and the format's parameters (redundant, so a flip shows)
-        if key == "storage":
-            continue
-        got = attrs.get(key)
+    get = attrs.get
+    # identity and the format's parameters (redundant, so a flip shows), in the order
+    # tensor_attrs writes them; the format's part made once per format
+    for key, want in (("index", entry.index), ("name", name), ("shape", tuple(entry.shape)),
+                      *_format_identity(entry.format)):
+        got = get(key)
         if key == "shape" and isinstance(got, list):
             got = tuple(got)
-        if got != wanted[key]:
-            problems.append(
-                f"tensor {name!r}: attribute {key} is {got!r}, layout says {wanted[key]!r}"
-            )
+        if got != want:
+            problems.append(f"tensor {name!r}: attribute {key} is {got!r}, layout says {want!r}")
     shape = reader.stored_shape_of(entry)
     if info.stored_shape != shape:
         problems.append(

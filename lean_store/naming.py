@@ -4,10 +4,15 @@ Any non-empty name up to 1024 characters whose node name fits in 255 bytes can b
 Characters outside ``[A-Za-z0-9._-]`` are percent-escaped (UTF-8 bytes, ``%XX``), as is a
 leading ``.`` or ``_``, so a node name never contains ``/``, never is ``.`` or ``..``, never
 starts with the reserved prefixes of HDF5 (``.``) or Zarr (``__``), and the mapping is one to
-one. Names that differ only in case are rejected because they collide on case-insensitive file
-systems. A node name longer than 255 bytes is refused for every backend: a Zarr array is a
-directory of that name, and file systems allow 255 bytes per path component; refusing it for
-HDF5 too keeps every checkpoint convertible between the backends.
+one. A name whose node name would be ``zarr.json`` in any letter case (the Zarr group's own
+metadata document, which sits next to the arrays' directories; on a case-insensitive file
+system every case of it is that file) has its first character escaped too: ``zarr.json`` ->
+``%7Aarr.json``. Checkpoints written before that rule may hold such a tensor under the
+unescaped node name (:func:`legacy_node_name`), and readers accept it there. Names that
+differ only in case are rejected because they collide on case-insensitive file systems. A node
+name longer than 255 bytes is refused for every backend: a Zarr array is a directory of that
+name, and file systems allow 255 bytes per path component; refusing it for HDF5 too keeps
+every checkpoint convertible between the backends.
 """
 
 from __future__ import annotations
@@ -19,10 +24,32 @@ from .errors import LayoutError, listing
 MAX_NAME_LENGTH = 1024
 MAX_NODE_BYTES = 255  # one path component on common file systems (ext4, XFS, APFS, NTFS)
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+# Node names a store keeps for its own files beside the tensors' nodes, lower case: a name
+# whose escaped node name is one of these in any ASCII case has its first character escaped.
+# (``.zattrs``, ``.zgroup``, ``.zarray``, ``.zmetadata`` of Zarr v2 and ``__``-prefixed names
+# need no entry: a leading ``.`` or ``_`` is always escaped.)
+RESERVED_NODE_NAMES = frozenset({"zarr.json"})
 
 
 def node_name(name: str) -> str:
     """The store node name of a tensor name."""
+    node = _escaped(name)
+    if node.lower() in RESERVED_NODE_NAMES:  # all of [A-Za-z0-9._-]: its first is a letter
+        return f"%{ord(node[0]):02X}{node[1:]}"
+    return node
+
+
+def legacy_node_name(name: str) -> str | None:
+    """The node name writers gave ``name`` before :data:`RESERVED_NODE_NAMES` were escaped,
+    when it differs from :func:`node_name`'s (a checkpoint written then keeps it there); else
+    None. No current node name is ever equal to one of these."""
+    node = _escaped(name)
+    return node if node.lower() in RESERVED_NODE_NAMES else None
+
+
+def _escaped(name: str) -> str:
+    """``name`` with the characters outside ``[A-Za-z0-9._-]``, and a leading ``.`` or ``_``,
+    percent-escaped."""
     if not isinstance(name, str) or not name:
         raise LayoutError(f"tensor names must be non-empty strings, got {name!r}")
     if len(name) > MAX_NAME_LENGTH:

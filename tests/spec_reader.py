@@ -119,13 +119,31 @@ def decode_binary(words: np.ndarray, fmt: Fmt) -> np.ndarray:
 # ------------------------------------------------------------------------------ section 2.1
 
 
-def node_name(name: str) -> str:
-    """2.1: escape every character outside [A-Za-z0-9._-], and a leading '.' or '_'."""
+def unescaped_node_name(name: str) -> str:
+    """2.1: escape every character outside [A-Za-z0-9._-], and a leading '.' or '_' (the node
+    name before the zarr.json rule)."""
     out = []
     for i, ch in enumerate(name):
         keep = ch.isascii() and (ch.isalnum() or ch in "._-") and not (i == 0 and ch in "._")
         out.append(ch if keep else "".join(f"%{b:02X}" for b in ch.encode("utf-8")))
     return "".join(out)
+
+
+def node_name(name: str) -> str:
+    """2.1: the escaped name, then the first character of `zarr.json` in any case escaped."""
+    node = unescaped_node_name(name)
+    if node.lower() == "zarr.json":
+        node = "".join(f"%{b:02X}" for b in node[0].encode("utf-8")) + node[1:]
+    return node
+
+
+def find_node(name: str, present: Any) -> str:
+    """2.1: the node of tensor ``name`` in a store holding the nodes ``present`` (a container):
+    its node name, or else the unescaped one a writer before the zarr.json rule gave it."""
+    node = node_name(name)
+    if node not in present and unescaped_node_name(name) in present:
+        return unescaped_node_name(name)
+    return node
 
 
 # ------------------------------------------------------------------------------ section 3
@@ -249,7 +267,7 @@ def read_hdf5(path: str | Path) -> dict[str, Tensor]:
         layout = _root_checks(attrs, ok)
         sharded = "sharded" in attrs
         for entry in layout:
-            ds = f[node_name(entry["name"])]
+            ds = f[find_node(entry["name"], f)]
             tattrs = _hdf5_attrs(ds)
             fmt = _check_entry(entry, tattrs)
             words = _hdf5_words(ds, fmt)
@@ -367,9 +385,10 @@ def read_zarr(path: str | Path) -> dict[str, Tensor]:
     attrs = meta["attributes"]
     layout = _root_checks(attrs, attrs.get("complete") is True)
     consolidated = meta.get("consolidated_metadata", {}).get("metadata", {})
+    arrays = {p.name for p in root.iterdir() if p.is_dir()}
     out = {}
     for entry in layout:
-        node = node_name(entry["name"])
+        node = find_node(entry["name"], arrays)
         ameta = _zarr_json(root / node / "zarr.json")
         if consolidated and consolidated[node] != ameta:
             raise SpecError(f"{node}: consolidated metadata differs from the array's")

@@ -84,7 +84,10 @@ def balance_replicas(plans: list[TensorPlan], held: list[list[Box]]) -> list[Ten
     holders: list[list[list[int]]] = []
     for plan, boxes in zip(plans, held):
         nbytes = plan.entry.format.storage_dtype.itemsize * plan.entry.format.words_per_value
-        holders.append([[r for r, b in enumerate(boxes) if b == box] for box, _ in plan.shards])
+        by_box: dict[Box, list[int]] = {}  # one pass over the ranks, not one per shard
+        for r, b in enumerate(boxes):
+            by_box.setdefault(b, []).append(r)
+        holders.append([by_box.get(box, []) for box, _ in plan.shards])
         for (box, owner), ranks in zip(plan.shards, holders[-1]):
             if len(ranks) == 1:
                 load[owner] += box.size * nbytes + METADATA_COST

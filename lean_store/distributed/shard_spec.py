@@ -48,7 +48,7 @@ class Box:
 
     @property
     def empty(self) -> bool:
-        return any(n == 0 for n in self.lengths)
+        return 0 in self.lengths
 
     def region(self) -> Region:
         """The box as a tuple of slices in global coordinates."""

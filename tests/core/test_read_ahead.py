@@ -116,6 +116,7 @@ def test_damaged_frame_read_by_the_worker_raises(tmp_path, monkeypatch, backend)
 def test_read_all_error_on_the_worker_waits_for_the_caller_and_returns_nothing():
     """The worker fails while the calling thread is mid-read: read_all raises the worker's
     error only once the caller's read is done, and no further tensor is taken."""
+    caller_reading = threading.Event()
     worker_failed = threading.Event()
     done: list[str] = []
     running = [0]
@@ -124,9 +125,13 @@ def test_read_all_error_on_the_worker_waits_for_the_caller_and_returns_nothing()
         running[0] += 1
         try:
             if threading.current_thread() is threading.main_thread():
+                caller_reading.set()
                 assert worker_failed.wait(WAIT)
                 done.append(name)
                 return name
+            # fail only once the caller is mid-read (the worker may start first: failing at
+            # once would leave the caller no tensor to finish, as it takes none after an error)
+            assert caller_reading.wait(WAIT)
             worker_failed.set()
             raise IntegrityError(f"tensor {name!r}: damaged")
         finally:

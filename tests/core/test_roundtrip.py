@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import h5py
 import numpy as np
 import pytest
-from helpers import ALL_FORMATS, assert_same_state, raw, sample_bits, value_of
+import spec_reader as spec
+import zarr
+from helpers import ALL_FORMATS, assert_same_state, h5_text, raw, sample_bits, value_of
 from torch_optional import needs_torch, torch
 
 import lean_store as ls
+from lean_store.naming import legacy_node_name, node_name
 
 
 def test_every_format_every_code_point(tmp_path, suffix):
@@ -170,3 +177,121 @@ def test_explicit_cast_only(tmp_path, suffix):
         ls.load(target, path, cast={"w": "float16"})
     out = ls.load_state(path, cast={"w": "float64"})
     assert out["w"].dtype == np.float64
+
+
+# Names of the stores' own files, and names next to them (FORMAT.md 2.1), with the node names
+# the spec gives them: the tensors are arrays at the root under these names, whatever the case.
+STORE_FILE_NAMES = {  # zarr.json in three cases: one per save (they collide with each other)
+    "zarr.json": "%7Aarr.json", "ZARR.JSON": "%5AARR.JSON", "Zarr.Json": "%5Aarr.Json",
+}
+NEIGHBOUR_NAMES = {
+    ".zattrs": "%2Ezattrs", ".zgroup": "%2Ezgroup", ".zarray": "%2Ezarray",
+    ".zmetadata": "%2Ezmetadata", "__c": "%5F_c",
+    "c": "c",  # an array's chunk prefix, but the root group has no chunks
+    "a/zarr.json": "a%2Fzarr.json", "zarr.json/c": "zarr.json%2Fc", "zarr.json.1": "zarr.json.1",
+    # lean_store's own root attributes and sharded files: other namespaces, nothing to escape
+    "manifest": "manifest", "lean_store.h5": "lean_store.h5", "t000000-s00000": "t000000-s00000",
+}
+
+
+def _h5_name(ds: h5py.Dataset) -> str:
+    value = ds.attrs["name"]
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _state_of(names: list[str]) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    state = {n: rng.standard_normal((3, 5)).astype(np.float32) for n in names}
+    for value in state.values():  # bits floats lose elsewhere: a NaN payload and -0.0
+        value.view(np.uint32)[0, 0] = 0x7FC0_1234
+        value[0, 1] = -0.0
+    return state
+
+
+@pytest.mark.parametrize("reserved", list(STORE_FILE_NAMES))
+def test_names_of_the_stores_own_files(tmp_path, suffix, reserved):
+    """A tensor named zarr.json (any case) was an array directory over the Zarr group's own
+    metadata file (EISDIR); it is stored as %7Aarr.json on both backends, and read back by
+    name by lean_store, zarr-python / h5py and the spec reader."""
+    nodes = {reserved: STORE_FILE_NAMES[reserved], **NEIGHBOUR_NAMES}
+    state = _state_of(list(nodes))
+    path = tmp_path / f"r{suffix}"
+    layout = ls.save(state, path)
+    assert layout.names() == list(nodes)
+    assert_same_state(state, ls.load_state(path))
+    with ls.open(path) as ck:
+        assert list(ck) == list(nodes)
+        for name, value in state.items():
+            assert ck.stored(name).node == nodes[name] == node_name(name), name
+            assert raw(ck[name].read()) == raw(value), name
+    assert ls.verify(path).ok
+    if suffix == ".zarr":
+        assert sorted(p.name for p in path.iterdir()) == sorted([*nodes.values(), "zarr.json"])
+        group = zarr.open_group(str(path), mode="r", zarr_format=3)
+        assert sorted(group.array_keys()) == sorted(nodes.values())
+        for name, node in nodes.items():
+            assert group[node].attrs["name"] == name
+            assert group[node][...].tobytes() == state[name].tobytes(), name
+        read = spec.read_zarr(path)
+    else:
+        with h5py.File(path, "r") as f:
+            assert sorted(f) == sorted(nodes.values())
+            for name, node in nodes.items():
+                assert _h5_name(f[node]) == name
+                assert f[node][...].tobytes() == state[name].tobytes(), name
+        read = spec.read_hdf5(path)
+    assert sorted(read) == sorted(nodes)
+    for name, value in state.items():
+        assert read[name].words.tobytes() == value.tobytes(), name
+
+
+@pytest.mark.parametrize("reserved", list(STORE_FILE_NAMES))
+def test_zarr_json_names_from_before_the_rule_still_load(tmp_path, suffix, reserved, monkeypatch):
+    """A checkpoint written before zarr.json was escaped holds the tensor under the unescaped
+    node name (HDF5: any case; Zarr: any case but the exact one, on a case-sensitive file
+    system): it still loads by its name attribute, and the spec reader finds it too."""
+    if suffix == ".zarr" and reserved == "zarr.json":
+        pytest.skip("that save failed before the rule: no such Zarr store exists")
+    store = "lean_store.stores." + ("zarr" if suffix == ".zarr" else "hdf5") + ".store.node_name"
+    monkeypatch.setattr(store, lambda name: legacy_node_name(name) or node_name(name))
+    state = _state_of([reserved, "other"])
+    path = tmp_path / f"old{suffix}"
+    ls.save(state, path)  # as the writers before the rule wrote it
+    monkeypatch.undo()
+    if suffix == ".zarr":
+        found = sorted(p.name for p in path.iterdir())
+        read = spec.read_zarr(path)
+    else:
+        with h5py.File(path, "r") as f:
+            found = sorted(f)
+        read = spec.read_hdf5(path)
+    assert reserved in found and STORE_FILE_NAMES[reserved] not in found
+    _loads_as_saved(path, state, reserved, read)
+
+
+def test_hdf5_dataset_renamed_to_zarr_json_loads(tmp_path):
+    """The same, built with h5py alone: the dataset renamed to zarr.json after a save, and the
+    root manifest's record (2.5.1) renamed with it, as a writer before the rule had them."""
+    state = _state_of(["zarr.json", "other"])
+    path = tmp_path / "renamed.h5"
+    ls.save(state, path)
+    with h5py.File(path, "r+") as f:
+        f.move("%7Aarr.json", "zarr.json")
+        manifest = json.loads(f.attrs["manifest"].decode("utf-8"))
+        for record in manifest["tensors"]:
+            if record["node"] == "%7Aarr.json":
+                record["node"] = "zarr.json"
+        f.attrs["manifest"] = h5_text(json.dumps(manifest, separators=(",", ":")))
+    with h5py.File(path, "r") as f:
+        assert sorted(f) == ["other", "zarr.json"]
+    _loads_as_saved(path, state, "zarr.json", spec.read_hdf5(path))
+
+
+def _loads_as_saved(path: Path, state: dict, name: str, read: dict) -> None:
+    assert_same_state(state, ls.load_state(path))
+    with ls.open(path) as ck:
+        assert list(ck) == list(state)
+        assert ck.stored(name).node == legacy_node_name(name) == name
+        assert raw(ck[name].read()) == raw(state[name])
+    assert ls.verify(path).ok
+    assert read[name].words.tobytes() == state[name].tobytes()

@@ -119,6 +119,22 @@ def test_single_process_reads_go_to_the_shard_files(checked, monkeypatch) -> Non
         assert stored.nbytes_on_disk and "crc32c" in stored.filters
 
 
+def test_one_chunk_shard_datasets_are_read_from_their_headers(checked, monkeypatch) -> None:
+    """The shard files' one-chunk datasets (Fletcher-32 + CRC-32C) are found from their object
+    headers and read with one pread each: none is opened through libhdf5."""
+    import lean_store as ls
+    from lean_store.stores.hdf5.store import HDF5Reader
+
+    out, _ = checked
+    opened: list[str] = []
+    real = HDF5Reader._open_dataset
+    monkeypatch.setattr(HDF5Reader, "_open_dataset",
+                        lambda self, node: (opened.append(node), real(self, node))[1])
+    state = ls.load_state(out / "ck.h5")
+    assert np.array_equal(state["v"], np.arange(6, dtype=np.float32) + 100)
+    assert not [n for n in opened if n.startswith("t0000")], opened
+
+
 if __name__ == "__main__":
     from test_distributed import worker
 

@@ -220,6 +220,30 @@ def test_a_single_process_and_verify_refuse_a_changed_master(world, name, words)
     assert not report.ok and words in str(report)
 
 
+# shape: caught by the layout check; storage: by the master dataset's own check alone
+@pytest.mark.parametrize("key, value", [("shape", [2**70]), ("storage", 2**70)])
+def test_a_master_manifest_value_past_int64_names_the_tensor(world, tmp_path, key,
+                                                             value) -> None:
+    """A master manifest record claiming a value no int64 attribute can hold is an
+    IntegrityError naming the tensor, not an OverflowError from encoding it."""
+    import h5py
+
+    import lean_store as ls
+    from lean_store.errors import IntegrityError
+
+    out, _ = world
+    path = tmp_path / "huge.h5"
+    shutil.copytree(out / "ck.h5", path)
+    with h5py.File(path / MASTER, "r+") as f:
+        doc = json.loads(f.attrs["master_manifest"])
+        next(r for r in doc["tensors"] if r["node"] == "v")["attrs"][key] = value
+        del f.attrs["master_manifest"]
+        f.attrs["master_manifest"] = _fixed(json.dumps(doc))
+    with pytest.raises(IntegrityError, match=f"'v'.*{key}"):
+        ls.load_state(path)
+    assert not ls.verify(path).ok
+
+
 def test_a_single_process_reads_masters_with_and_without_a_manifest(world) -> None:
     import lean_store as ls
 

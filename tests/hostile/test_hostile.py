@@ -179,6 +179,28 @@ def test_hdf5_truncated_file(h5, fraction):
     _rejected(h5)
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 4096])  # one chunk (header path), several
+@pytest.mark.parametrize("key, value", [
+    ("shape", [2**70, 8]), ("shape", [2**63, 8]), ("index", 2**70), ("index", -(2**70)),
+    ("width", 2**64),
+])
+def test_hdf5_manifest_values_past_int64_name_the_tensor(tmp_path, chunk_bytes, key, value):
+    """A manifest record claiming a value no int64 attribute can hold (a dimension of 2**70)
+    is an IntegrityError naming the tensor, not an OverflowError from encoding it."""
+    from lean_store.stores.hdf5.manifest import MANIFEST_ATTR
+
+    path = tmp_path / "ck.h5"
+    big = {"w": np.arange(2048, dtype=np.float32).reshape(256, 8), "b": STATE["b"]}
+    ls.save(big, path, **({} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}))
+    with h5py.File(path, "r+") as f:
+        doc = json.loads(f.attrs[MANIFEST_ATTR].decode())
+        next(r for r in doc["tensors"] if r["node"] == "w")["attrs"][key] = value
+        del f.attrs[MANIFEST_ATTR]
+        f.attrs[MANIFEST_ATTR] = h5_text(json.dumps(doc))
+        assert (f["w"].chunks == (256, 8)) == (chunk_bytes is None)
+    _rejected(path, ls.IntegrityError, f"'w'.*{key}")
+
+
 def test_hdf5_future_format_version(h5):
     with h5py.File(h5, "r+") as f:
         f.attrs["format_version"] = 2

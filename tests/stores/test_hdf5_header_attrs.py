@@ -244,3 +244,46 @@ def test_where_headers_cannot_be_read_libhdf5_compares(tmp_path: Path, monkeypat
     got = ls.load_state(path)
     assert seen["header"] == [False] * 3 and seen["libhdf5"] == [True] * 3
     assert got["w"].tobytes() == _state()["w"].tobytes()
+
+
+def test_known_message_bytes_are_taken_unparsed_and_anything_else_is_parsed() -> None:
+    one = _attr(b"index", struct.pack("<q", 3))
+    prefix = one[:-8]  # version, flags, sizes, name, datatype, dataspace
+    whole = struct.pack("<BHB", 0x0C, len(one), 0) + one
+    known = {whole: (b"index", (0, prefix, struct.pack("<q", 3)))}
+
+    def parse(header: bytes) -> dict | None:
+        return attribute_messages(lambda n, at: header[at:at + n], 0, len(header), None, known)
+
+    assert parse(_header([(0x0C, 0, one)])) == _parse(_header([(0x0C, 0, one)]))
+    other = _attr(b"index", struct.pack("<q", 4))  # another value: parsed, not taken
+    found = parse(_header([(0x0C, 0, other)]))
+    assert found is not None and found[b"index"][2] == struct.pack("<q", 4)
+    assert parse(_header([(0x0C, 0, one), (0x0C, 0, one)])) is None  # a name twice
+    assert parse(_header([(0x0C, 0, one), (0x0C, 0, other)])) is None
+    assert parse(_header([(0x0C, 0x02, one)])) is None  # shared: other bytes, parsed, refused
+
+
+def test_a_clean_load_takes_every_attribute_message_by_its_bytes(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """Once libhdf5 confirmed each kind of attribute, a clean file's attribute messages are
+    all found by their whole bytes (made from the manifest record), none parsed."""
+    first, second = _saved(tmp_path, "a.h5"), _saved(tmp_path, "b.h5")
+    ls.load_state(first)
+    lookups = {"hit": 0, "miss": 0}
+
+    class Counting(dict):
+        def get(self, key, default=None):
+            found = dict.get(self, key, default)
+            lookups["hit" if found is not None else "miss"] += 1
+            return found
+
+    made = header_attrs.known_messages
+    monkeypatch.setattr(hdf5_store, "known_messages", lambda expected: Counting(made(expected)))
+    seen = _spy(monkeypatch)
+    got = ls.load_state(second)
+    assert seen["header"] == [True, True, True] and seen["libhdf5"] == []
+    with h5py.File(second, "r") as f:
+        assert lookups == {"hit": sum(len(f[k].attrs) for k in f), "miss": 0}
+    for name, value in _state().items():
+        assert got[name].tobytes() == value.tobytes()

@@ -364,3 +364,24 @@ if __name__ == "__main__":
         _crash(sys.argv[2])
     else:
         _rank(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+
+
+def test_zarr_json_tensor_names_on_s3(env) -> None:
+    """A tensor named zarr.json is the array %7Aarr.json on S3 too (FORMAT.md 2.1). Before
+    that rule the save succeeded there (a key and a prefix of one name coexist), but zarr's
+    listing skips an array named zarr.json: the checkpoint was committed and never opened."""
+    import fsspec
+
+    import lean_store as ls
+
+    saved = {"zarr.json": np.arange(5, dtype=np.float32), "ZARR.JSON.b": np.arange(3)}
+    url = "s3://bkt/names/step-1.zarr"
+    ls.save(saved, url)
+    fs = fsspec.filesystem("s3")
+    assert sorted(fs.ls("bkt/names/step-1.zarr", detail=False)) == [
+        "bkt/names/step-1.zarr/%7Aarr.json", "bkt/names/step-1.zarr/ZARR.JSON.b",
+        "bkt/names/step-1.zarr/zarr.json"]
+    same(ls.load_state(url), saved)
+    with ls.open(url) as ck:
+        assert ck.stored("zarr.json").node == "%7Aarr.json"
+    assert ls.verify(url).ok

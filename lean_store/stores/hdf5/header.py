@@ -58,14 +58,31 @@ OtherMessage = tuple[int, int, bytes]
 """A message that is not an attribute, its attribute info, a continuation or a NIL: its
 type, its header flags and its body."""
 
+KnownMessages = dict[bytes, tuple[bytes, AttributeMessage]]
+"""The whole bytes of an attribute message (its 4-byte message header, then its body) ->
+its name and :data:`AttributeMessage`, for messages whose bytes are known in advance: a
+message of exactly those bytes is taken as that without being parsed (what parsing it gives,
+as these bytes were once parsed to make the entry). See :func:`attribute_messages`."""
+
+
+def attribute_message_head(flags: int, prefix: bytes, data_size: int) -> bytes | None:
+    """The bytes before the data of an attribute message of ``flags`` and ``prefix`` holding
+    ``data_size`` bytes of data (no padding) in a header that does not store creation order
+    (a key of :data:`KnownMessages` is these, then the data); None past a message's size."""
+    size = len(prefix) + data_size
+    return _MESSAGE.pack(_ATTRIBUTE, size, flags) + prefix if size <= 0xFFFF else None
+
 
 def attribute_messages(pread: Callable[[int, int], bytes], address: int, file_size: int,
-                       others: list[OtherMessage] | None = None
+                       others: list[OtherMessage] | None = None,
+                       known: KnownMessages | None = None
                        ) -> dict[bytes, AttributeMessage] | None:
     """name -> message of every attribute message in the version 2 object header at
     ``address`` (``pread(size, offset)`` reads the file); None where the header is not of the
     kind this module reads (see the module text): the caller then asks libhdf5. ``others``,
-    when given, receives every other message of the header (:data:`OtherMessage`)."""
+    when given, receives every other message of the header (:data:`OtherMessage`). A message
+    whose whole bytes are a key of ``known`` is taken from there instead of being parsed (one
+    slice and one lookup: the manifest says what each message holds); any other is parsed."""
     if not 0 <= address < file_size:
         return None
     head = pread(min(FIRST_READ, file_size - address), address)
@@ -92,7 +109,8 @@ def attribute_messages(pread: Callable[[int, int], bytes], address: int, file_si
     seen = 1
     while chunks:
         block, start, end = chunks.pop()
-        more = _messages(block, start, end, order, found, others)
+        more = _messages(block, start, end, order, found, others,
+                         None if order else known)
         if more is None:
             return None
         for offset, length in more:
@@ -109,24 +127,34 @@ def attribute_messages(pread: Callable[[int, int], bytes], address: int, file_si
 
 
 def _messages(block: bytes, pos: int, end: int, order: int,
-              found: dict[bytes, AttributeMessage], others: list[OtherMessage] | None = None
-              ) -> list[tuple[int, int]] | None:
+              found: dict[bytes, AttributeMessage], others: list[OtherMessage] | None = None,
+              known: KnownMessages | None = None) -> list[tuple[int, int]] | None:
     """Add the attribute messages of one header chunk to ``found``; the continuation
     chunks it points to, or None for anything this module does not read. An attribute
     message must be of version 3 with no shared parts: version, flags, the sizes of its
     name (with its NUL), datatype and dataspace, the name's encoding, then those, then its
-    data."""
+    data. One whose whole bytes are a key of ``known`` (no creation order: ``order`` 0) is
+    that entry's, unparsed."""
     more: list[tuple[int, int]] = []
     step = 4 + order
     unpack_message, unpack_attribute = _MESSAGE.unpack_from, _ATTR_V3.unpack_from
+    lookup = None if known is None else known.get
     while end - pos >= step:  # fewer bytes left: the gap before the checksum
         kind, size, mflags = unpack_message(block, pos)
+        start = pos
         body_at = pos + step
         pos = body_at + size
         if pos > end:
             return None
         if kind == _NIL:
             continue
+        if lookup is not None and kind == _ATTRIBUTE:
+            hit = lookup(block[start:pos])
+            if hit is not None:  # exactly a message parsed before, as the manifest says
+                if hit[0] in found:
+                    return None
+                found[hit[0]] = hit[1]
+                continue
         if mflags & _SHARED:
             return None  # a reference to a shared message: not read here
         if kind == _ATTRIBUTE:

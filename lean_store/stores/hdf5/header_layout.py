@@ -13,6 +13,9 @@ which is what lean_store writes for a tensor of one chunk (``v108`` bounds):
   storage, nothing shared, nothing else;
 - a layout message of version 3, chunked, whose v1 B-tree is one leaf holding one chunk, at
   offset 0, unfiltered (mask 0), of exactly the chunk's bytes, inside the file;
+- or the same with one filter pipeline message holding Fletcher-32 alone (what
+  ``checksum="fletcher32+crc32c"`` writes without compression: version 2, one mandatory filter,
+  no values): its one chunk is the chunk's bytes and their 4-byte checksum, no filter skipped;
 - or the same with one filter pipeline message holding exactly what ``compression="weights"``
   writes (:func:`blosc_pipeline`: version 2, Blosc 32001 optional with the seven parameters
   lean_store gives it, then Fletcher-32 if the checksum asks for it): its one chunk is stored
@@ -34,23 +37,31 @@ from typing import NamedTuple
 
 from ..blosc_frames import HEADER, frame_size_limit
 from .blosc import BLOSC_FILTER, blosc_parameters
-from .header import AttributeMessage, OtherMessage, attribute_messages
+from .header import AttributeMessage, KnownMessages, OtherMessage, attribute_messages
 
 _DATASPACE, _DATATYPE, _FILL_VALUE, _LAYOUT, _PIPELINE, _MODIFIED = (
     0x01, 0x03, 0x05, 0x08, 0x0B, 0x12)
 _ONCE = (_DATASPACE, _DATATYPE, _LAYOUT)  # exactly one each
 _AT_MOST_ONCE = (_FILL_VALUE, _MODIFIED, _PIPELINE)  # the pipeline: checked exactly
 _FLETCHER32_FILTER = 3  # H5Z_FILTER_FLETCHER32
+_FLETCHER32_SIZE = 4  # the checksum libhdf5 appends to each chunk
+# the pipeline message (flags, body) of Fletcher-32 alone: constant, version 2, one filter,
+# mandatory, no values
+_FLETCHER32_ALONE = (1, bytes((2, 1)) + struct.pack("<HHH", _FLETCHER32_FILTER, 0, 0))
 _UNDEFINED = 2**64 - 1
 _BTREE_HEAD = struct.Struct("<4sBBHQQ")  # "TREE", node type, level, entries, left, right
 _KEY_HEAD = struct.Struct("<II")  # a chunk key: stored size, filter mask (then its offsets)
 _RAW_DATA_NODE = 1  # B-tree node type of a chunked dataset's index
+_LEAF_HEAD = _BTREE_HEAD.pack(b"TREE", _RAW_DATA_NODE, 0, 1, _UNDEFINED, _UNDEFINED)
+"""The first bytes of the only B-tree node of a dataset of one chunk: a raw data node, a leaf
+(level 0) of one entry, no left or right sibling. Compared as bytes, not unpacked."""
+_KNOWN_KINDS = frozenset(_ONCE + _AT_MOST_ONCE)
 _MAX_RANK = 32
 
 
 class SingleChunk(NamedTuple):
-    """A dataset of one chunk, unfiltered or Blosc-compressed as ``compression="weights"``
-    writes it, as its object header and chunk index say."""
+    """A dataset of one chunk, unfiltered, Fletcher-32 alone, or Blosc-compressed as
+    ``compression="weights"`` writes it, as its object header and chunk index say."""
 
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
@@ -59,7 +70,8 @@ class SingleChunk(NamedTuple):
     offset: int  # the chunk's file position
     size: int  # its stored bytes: the chunk shape's values times the item size, unfiltered
     attributes: dict[bytes, AttributeMessage]
-    blosc: bool | None = None  # None: unfiltered; else a Blosc frame, Fletcher-32 after it?
+    blosc: bool | None = None  # None: no Blosc; else a Blosc frame, Fletcher-32 after it?
+    fletcher32: bool = False  # no Blosc, the chunk's bytes then their Fletcher-32 checksum
 
 
 class _Cached:
@@ -82,22 +94,23 @@ class _Cached:
         return data
 
 
-def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: int
-                 ) -> SingleChunk | None:
+def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: int,
+                 known: KnownMessages | None = None) -> SingleChunk | None:
     """The dataset whose object header is at ``address`` (``pread(size, offset)`` reads the
-    file of ``file_size`` bytes), when it is one chunk, unfiltered or Blosc as the module text
-    says; None for anything else."""
+    file of ``file_size`` bytes), when it is one chunk, unfiltered, Fletcher-32 alone or Blosc
+    as the module text says; None for anything else. ``known``: attribute messages known in
+    advance (:func:`.header.attribute_messages`)."""
     cached = _Cached(pread)
     others: list[OtherMessage] = []
-    attributes = attribute_messages(cached, address, file_size, others)
+    attributes = attribute_messages(cached, address, file_size, others, known)
     if attributes is None:
         return None
     bodies: dict[int, tuple[int, bytes]] = {}
     for kind, flags, body in others:
-        if kind not in _ONCE + _AT_MOST_ONCE or kind in bodies:
+        if kind not in _KNOWN_KINDS or kind in bodies:
             return None
         bodies[kind] = (flags, body)
-    if any(kind not in bodies for kind in _ONCE):
+    if _DATASPACE not in bodies or _DATATYPE not in bodies or _LAYOUT not in bodies:
         return None
     shape = _dataspace(bodies[_DATASPACE][1])
     datatype = bodies[_DATATYPE]
@@ -113,17 +126,21 @@ def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: in
     size = math.prod(chunks) * itemsize
     sizes = (size, size)
     blosc = None
-    if _PIPELINE in bodies:
+    fletcher32 = bodies.get(_PIPELINE) == _FLETCHER32_ALONE
+    if fletcher32:
+        sizes = (size + _FLETCHER32_SIZE, size + _FLETCHER32_SIZE)
+    elif _PIPELINE in bodies:
         blosc = blosc_pipeline(bodies[_PIPELINE], itemsize, size)
         if blosc is None:
             return None
         sizes = (HEADER, frame_size_limit(size)) if not blosc else (
-            HEADER + 4, frame_size_limit(size) + 4)
+            HEADER + _FLETCHER32_SIZE, frame_size_limit(size) + _FLETCHER32_SIZE)
     found = _only_chunk(cached, index, len(shape) + 1, sizes, file_size)
     if found is None:
         return None
     offset, stored = found
-    return SingleChunk(shape, chunks, itemsize, datatype, offset, stored, attributes, blosc)
+    return SingleChunk(shape, chunks, itemsize, datatype, offset, stored, attributes, blosc,
+                       fletcher32)
 
 
 def blosc_pipeline(message: tuple[int, bytes], itemsize: int, chunk_nbytes: int
@@ -145,6 +162,17 @@ def blosc_pipeline(message: tuple[int, bytes], itemsize: int, chunk_nbytes: int
     return None
 
 
+_UNPACKERS: dict[tuple[str, int], Callable[..., tuple[int, ...]]] = {}
+
+
+def _unpacker(code: str, count: int) -> Callable[..., tuple[int, ...]]:
+    """``unpack_from`` of ``count`` little-endian values of ``code``, made once per count."""
+    found = _UNPACKERS.get((code, count))
+    if found is None:
+        found = _UNPACKERS[(code, count)] = struct.Struct(f"<{count}{code}").unpack_from
+    return found
+
+
 def _dataspace(body: bytes) -> tuple[int, ...] | None:
     """The dimensions of a version 2 simple dataspace whose maximum (if given) is its size."""
     if len(body) < 4 or body[0] != 2 or body[3] != 1 or body[2] & ~0x01:
@@ -153,7 +181,7 @@ def _dataspace(body: bytes) -> tuple[int, ...] | None:
     count = rank * (2 if body[2] & 0x01 else 1)
     if rank > _MAX_RANK or len(body) != 4 + 8 * count:
         return None
-    values = struct.unpack_from(f"<{count}Q", body, 4)
+    values = _unpacker("Q", count)(body, 4)
     dims = tuple(values[:rank])
     if body[2] & 0x01 and values[rank:] != dims:
         return None
@@ -164,10 +192,10 @@ def _layout(body: bytes, rank: int, itemsize: int) -> tuple[int, tuple[int, ...]
     """(address of the v1 B-tree, chunk shape) of a version 3 chunked layout message of a
     dataset of ``rank`` whose last chunk dimension is the item size."""
     ndims = rank + 1
-    if len(body) != 11 + 4 * ndims or body[:3] != bytes((3, 2, ndims)):
+    if len(body) != 11 + 4 * ndims or body[0] != 3 or body[1] != 2 or body[2] != ndims:
         return None
     index = int.from_bytes(body[3:11], "little")
-    dims = struct.unpack_from(f"<{ndims}I", body, 11)
+    dims = _unpacker("I", ndims)(body, 11)
     if dims[-1] != itemsize or 0 in dims:
         return None
     return index, tuple(dims[:-1])
@@ -178,22 +206,18 @@ def _only_chunk(pread: Callable[[int, int], bytes], index: int, ndims: int,
     """(file position, stored bytes) of the one chunk a v1 B-tree at ``index`` holds: a leaf
     with one entry, no siblings, keyed at offset 0, no filter skipped (mask 0), of ``sizes``
     (least, most) bytes inside the file."""
-    need = _BTREE_HEAD.size + _KEY_HEAD.size + 8 * ndims + 8
+    at = _BTREE_HEAD.size + _KEY_HEAD.size  # the key's offsets, after its size and mask
+    need = at + 8 * ndims + 8
     if index == _UNDEFINED or index + need > file_size:
         return None
     node = pread(need, index)
-    if len(node) != need:
+    if len(node) != need or not node.startswith(_LEAF_HEAD):
         return None
-    sig, kind, level, entries, left, right = _BTREE_HEAD.unpack_from(node)
-    if (sig, kind, level, entries, left, right) != (b"TREE", _RAW_DATA_NODE, 0, 1, _UNDEFINED,
-                                                    _UNDEFINED):
+    stored = int.from_bytes(node[_BTREE_HEAD.size:_BTREE_HEAD.size + 4], "little")
+    # the filter mask and the chunk's offsets: every byte 0 (counted, not copied)
+    if not sizes[0] <= stored <= sizes[1] or node.count(0, at - 4, need - 8) != 4 + 8 * ndims:
         return None
-    at = _BTREE_HEAD.size
-    stored, mask = _KEY_HEAD.unpack_from(node, at)
-    at += _KEY_HEAD.size
-    if not sizes[0] <= stored <= sizes[1] or mask != 0 or any(node[at:at + 8 * ndims]):
-        return None
-    offset = int.from_bytes(node[at + 8 * ndims:need], "little")
+    offset = int.from_bytes(node[need - 8:need], "little")
     if offset + stored > file_size:
         return None
     return offset, stored

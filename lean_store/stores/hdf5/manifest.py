@@ -12,8 +12,7 @@ repacked by h5repack stays readable. See docs/FORMAT.md.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,11 +25,12 @@ MANIFEST_ATTR = "manifest"
 MANIFEST_VERSION = 1
 MAX_MANIFEST_DEPTH = 6  # object > tensors list > record > attrs object > shape list (5)
 _RECORD_KEYS = {"node", "attrs", "stored_shape", "chunks", CHUNK_CRC_ATTR}
+_INT_ONLY = frozenset({int})  # the types of a list of JSON integers (bool is not int)
 
 
-@dataclass(frozen=True)
-class TensorRecord:
-    """One dataset as the manifest describes it."""
+class TensorRecord(NamedTuple):
+    """One dataset as the manifest describes it (a named tuple: one is made per tensor at
+    every open, in a third of a frozen dataclass's time)."""
 
     node: str
     attrs: dict[str, Any]  # as a reader returns them: shapes as tuples of int
@@ -64,12 +64,6 @@ def _int_tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _attr_value(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(value)
-    return value
-
-
 def manifest_items(text: Any, where: str, what: str, version: int, max_depth: int
                    ) -> list[Any]:
     """The ``tensors`` list of a JSON manifest attribute (``what``: its name in errors): the
@@ -95,32 +89,59 @@ def manifest_items(text: Any, where: str, what: str, version: int, max_depth: in
 
 def parse_manifest(text: Any, where: str) -> dict[str, TensorRecord]:
     """node -> record, every field type-checked; its size and nesting are checked on the raw
-    text before it is parsed, and its tables against the chunk grids they claim to cover."""
+    text before it is parsed, and its tables against the chunk grids they claim to cover.
+
+    The checks are those of one record at a time, made with few Python steps per record (a
+    manifest holds one per tensor): a list of sizes is checked by the set of its items' types
+    and its least item, and every record's ``chunk_crc32c`` values go into one uint32 array,
+    of which each record's table is a slice (checked by :func:`.crc_table.parse_table` only
+    where it does not hold one value per chunk of row blocks, to name the problem)."""
     items = manifest_items(text, where, "manifest", MANIFEST_VERSION, MAX_MANIFEST_DEPTH)
-    out: dict[str, TensorRecord] = {}
+    rows: list[tuple[str, dict[str, Any], tuple[int, ...], tuple[int, ...], int]] = []
+    values: list[int] = []
+    seen: set[str] = set()
+    int_only = _INT_ONLY
     for item in items:
-        if not isinstance(item, dict) or set(item) != _RECORD_KEYS:
+        if type(item) is not dict or item.keys() != _RECORD_KEYS:
             raise IntegrityError(f"{where}: malformed manifest record {str(item)[:80]!r}")
         node, attrs = item["node"], item["attrs"]
-        if not isinstance(node, str) or node in out:
+        if type(node) is not str or node in seen:
             raise IntegrityError(f"{where}: manifest node {node!r:.80} is not a unique name")
-        if not isinstance(attrs, dict) or CHUNK_CRC_ATTR in attrs:
+        seen.add(node)
+        if type(attrs) is not dict or CHUNK_CRC_ATTR in attrs:
             raise IntegrityError(f"{where}: manifest attributes of {node!r} are malformed")
-        shape = _int_tuple(item["stored_shape"], f"stored_shape of {node!r}", where)
-        chunks = _int_tuple(item["chunks"], f"chunks of {node!r}", where)
+        shape, chunks = item["stored_shape"], item["chunks"]
+        if type(shape) is not list or not int_only.issuperset(map(type, shape)) or (
+            shape and min(shape) < 0
+        ):
+            _int_tuple(shape, f"stored_shape of {node!r}", where)  # raises, naming it
+        if type(chunks) is not list or not int_only.issuperset(map(type, chunks)) or (
+            chunks and min(chunks) < 0
+        ):
+            _int_tuple(chunks, f"chunks of {node!r}", where)
         if len(chunks) != len(shape) or 0 in chunks:
-            raise IntegrityError(f"{where}: manifest chunks {chunks} of {node!r} do not fit "
-                                 f"its shape {shape}")
+            raise IntegrityError(f"{where}: manifest chunks {tuple(chunks)} of {node!r} do not "
+                                 f"fit its shape {tuple(shape)}")
         raw = item[CHUNK_CRC_ATTR]
-        if not isinstance(raw, list) or not all(
-            isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in raw
+        if type(raw) is not list or raw and (
+            not int_only.issuperset(map(type, raw)) or min(raw) < 0 or max(raw) >= 1 << 32
         ):
             raise IntegrityError(f"{where}: manifest {CHUNK_CRC_ATTR} of {node!r} is malformed")
-        table = parse_table(np.asarray(raw, dtype=np.int64).astype(np.uint32)
-                            if raw else np.zeros(0, np.uint32),
-                            chunk_count(shape, chunks), repr(node), shape=shape, chunks=chunks)
-        out[node] = TensorRecord(node, {k: _attr_value(v) for k, v in attrs.items()}, shape,
-                                 chunks, table)
+        for key, value in attrs.items():  # as a reader returns them: shapes as tuples
+            if type(value) is list:
+                attrs[key] = tuple(value)
+        rows.append((node, attrs, tuple(shape), tuple(chunks), len(raw)))
+        values += raw
+    tables = np.array(values, dtype=np.uint32) if values else np.zeros(0, np.uint32)
+    out: dict[str, TensorRecord] = {}
+    at = 0
+    for node, attrs, shape, chunks, n in rows:
+        table = tables[at:at + n]
+        at += n
+        if n != 1 or not all(0 < d <= c for d, c in zip(shape, chunks)):  # one chunk
+            table = parse_table(table, chunk_count(shape, chunks), repr(node), shape=shape,
+                                chunks=chunks)
+        out[node] = TensorRecord(node, attrs, shape, chunks, table)
     return out
 
 

@@ -44,7 +44,7 @@ from .. import sharded_layout
 from ..base import ChunkProblem, Selection, StoredTensor
 from ..sharded_layout import RankShardWriter, ShardedLayout
 from .attrs import attrs_match, encode_attr, read_attrs, to_hdf5_attr, write_attrs
-from .header_attrs import header_match, learn_header
+from .header_attrs import ExpectedAttr, expected_attr, header_match, learn_header
 from .master_manifest import (
     MASTER_MANIFEST_ATTR,
     SHARD_FILE,
@@ -353,13 +353,20 @@ class ShardedHDF5Reader(HDF5Reader):
             problems = ["it is not a virtual dataset"]
         else:
             names = list(record.attrs)
-            expected = [encode_attr(k, v) for k, v in record.attrs.items()]
-            messages = self._headers.attribute_messages(dsid, len(expected))
-            if header_match(messages, expected):  # as written, from the header's bytes
-                attrs = dict(record.attrs)
-            elif attrs_match(dsid, expected):  # exactly as written: no decoding
-                learn_header(messages, expected)
-                attrs = dict(record.attrs)
+            try:
+                expected: list[ExpectedAttr] | None = [
+                    expected_attr(k, v) for k, v in record.attrs.items()]
+            except (OverflowError, ValueError, TypeError):  # no attribute can hold a value:
+                expected = None  # read and compared below, which names it
+            messages = None if expected is None else self._headers.attribute_messages(
+                dsid, len(expected))
+            encoded = None
+            if not header_match(messages, expected) and expected is not None:
+                encoded = [encode_attr(k, v) for k, v in record.attrs.items()]
+            if expected is not None and (encoded is None or attrs_match(dsid, encoded)):
+                if encoded is not None:  # exactly as written: no decoding
+                    learn_header(messages, expected, encoded)
+                attrs = dict(record.attrs)  # as written, from the header's bytes or libhdf5
             else:
                 try:
                     attrs = read_attrs(dsid, repr(node), names)
@@ -506,6 +513,10 @@ class ShardedHDF5Reader(HDF5Reader):
                 raise IntegrityError(f"shard file {fname} of {self.directory} is missing")
             reader = HDF5Reader(path)
             self._sources[fname] = reader
+            # its root group listed once: the object header addresses its one-chunk datasets
+            # are read from (never opened through libhdf5), and any link that is not a hard
+            # link to a dataset refused
+            reader.nodes()
             for dset in self._trusted.pop(fname, []):
                 reader.trust_attributes(dset)
         return reader

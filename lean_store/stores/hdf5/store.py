@@ -56,7 +56,14 @@ from .blosc import (
 from .checks import check_hdf5_present, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
-from .header_attrs import HeaderAttributes, header_match, learn_header
+from .header_attrs import (
+    ExpectedAttr,
+    HeaderAttributes,
+    expected_attrs,
+    header_match,
+    known_messages,
+    learn_header,
+)
 from .libhdf5 import chunk_lock, library
 from .manifest import (
     MANIFEST_ATTR,
@@ -471,6 +478,7 @@ class HDF5Reader(StoreReader):
         # object header, never opened through libhdf5 (see _stored_from_header)
         self._single: dict[str, tuple[int, int]] = {}
         self._single_blosc: dict[str, bool] = {}  # node of _single -> a Blosc frame (+ F32?)
+        self._single_fletcher: set[str] = set()  # nodes of _single: the bytes, then Fletcher-32
         self._header_types: dict[str, tuple[int, bytes]] = {}  # node -> datatype message
         self._header_differs: set[str] = set()  # header_match said no at open: not asked again
         self._filesize: int | None = None
@@ -620,7 +628,9 @@ class HDF5Reader(StoreReader):
         address = self._addresses.get(node)
         if address is None or node in self._datasets:
             return None
-        found = self._headers.single_chunk(address)
+        expected = _expected_attrs(record)
+        found = self._headers.single_chunk(
+            address, None if expected is None else known_messages(expected))
         if found is None or found.shape != record.stored_shape or (
             found.chunks != record.chunks
         ) or record.table.size != 1:
@@ -631,11 +641,14 @@ class HDF5Reader(StoreReader):
         if found.blosc is not None:  # the pipeline "weights" writes, checked byte for byte
             self._single_blosc[node] = found.blosc
             filters[:0] = ["blosc", "fletcher32"] if found.blosc else ["blosc"]
+        elif found.fletcher32:  # checksum="fletcher32+crc32c", no compression
+            self._single_fletcher.add(node)
+            filters[:0] = ["fletcher32"]
         self._header_types[node] = found.datatype
         self._tables[node] = record.table
         self._geometry[node] = (found.shape, found.chunks, found.itemsize)
-        self._plain[node] = found.blosc is None
-        if header_match(found.attributes, _written_attrs(record)):
+        self._plain[node] = found.blosc is None and not found.fletcher32
+        if header_match(found.attributes, expected):
             self._attrs_checked.add(node)
         else:  # compared through libhdf5 at the first read (check_attributes)
             self._header_differs.add(node)
@@ -729,16 +742,18 @@ class HDF5Reader(StoreReader):
         if record is None:
             return
         dsid = self._dsid(node)
-        expected = _written_attrs(record)
-        messages = self._headers.attribute_messages(dsid, len(expected))
-        if node not in self._header_differs and header_match(messages, expected):
-            # the header holds the bytes libhdf5 confirmed
-            self._attrs_checked.add(node)
-            return
-        if attrs_match(dsid, expected):  # exactly as written: no decoding
-            learn_header(messages, expected)
-            self._attrs_checked.add(node)
-            return
+        expected = _expected_attrs(record)
+        if expected is not None:  # else a value no attribute can hold: named below
+            messages = self._headers.attribute_messages(dsid, len(expected))
+            if node not in self._header_differs and header_match(messages, expected):
+                # the header holds the bytes libhdf5 confirmed
+                self._attrs_checked.add(node)
+                return
+            encoded = _written_attrs(record)
+            if attrs_match(dsid, encoded):  # exactly as written: no decoding
+                learn_header(messages, expected, encoded)
+                self._attrs_checked.add(node)
+                return
         names = [*record.attrs, CHUNK_CRC_ATTR]  # read and compared, to name the difference
         try:
             attrs = read_attrs(dsid, repr(node), names)
@@ -833,8 +848,9 @@ class HDF5Reader(StoreReader):
             out = np.empty(shape + ((2,) if fmt.words_per_value == 2 else ()),
                            dtype=fmt.storage_dtype)
         coords = (0,) * len(shape)
-        crc = None if node in self._single_blosc else self._pread_halves(node, None, coords, out)
-        if crc is None and self._read_single_blosc(node, out):
+        filtered = node in self._single_blosc or node in self._single_fletcher
+        crc = None if filtered else self._pread_halves(node, None, coords, out)
+        if crc is None and self._read_single_filtered(node, out):
             crc = crc32c_of(out)
         elif crc is None:
             if not self._pread_chunk(node, None, coords, out):
@@ -847,18 +863,37 @@ class HDF5Reader(StoreReader):
             raise _crc_mismatch(node, coords, coords, crc, expected)
         return out
 
-    def _read_single_blosc(self, node: str, out: np.ndarray) -> bool:
-        """The one Blosc chunk of a dataset found by :meth:`_stored_from_header` decompressed
-        into ``out`` (at the chunk's origin, C-contiguous, a prefix of the chunk's bytes): one
-        ``pread`` at the offset its chunk record gives, the frame checked (and its Fletcher-32
-        when stored), NOT its CRC-32C (the caller's). False: not such a dataset or ``out``."""
+    def _read_single_filtered(self, node: str, out: np.ndarray) -> bool:
+        """The one filtered chunk of a dataset found by :meth:`_stored_from_header` read into
+        ``out`` (at the chunk's origin, C-contiguous, a prefix of the chunk's bytes) with one
+        ``pread`` at the offset its chunk record gives: a Blosc frame decompressed (its
+        Fletcher-32 checked when stored), or the bytes of Fletcher-32 alone checked against
+        it; NOT its CRC-32C (the caller's). False: not such a dataset or ``out``."""
         fletcher32 = self._single_blosc.get(node)
+        alone = node in self._single_fletcher
         _, chunks, itemsize = self._geometry[node]
-        if fletcher32 is None or self._fd is None or not out.flags.c_contiguous or (
-            not _prefix_of_chunk(out.shape, chunks)
-        ):
+        if (fletcher32 is None and not alone) or self._fd is None or (
+            not out.flags.c_contiguous
+        ) or not _prefix_of_chunk(out.shape, chunks):
             return False
         offset, size = self._single[node]
+        if alone:
+            origin = (0,) * len(chunks)
+            try:
+                raw = os.pread(self._fd, size, offset)
+            except OSError as exc:
+                raise IntegrityError(f"tensor {node!r}: chunk {origin} unreadable ({exc})"
+                                     ) from None
+            if len(raw) != size:
+                raise IntegrityError(f"tensor {node!r}: chunk {origin} is truncated")
+            try:
+                data = _FLETCHER32.decode(raw)
+            except RuntimeError as exc:
+                raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {origin}: {exc}") from None
+            flat = out.view(np.uint8).reshape(-1)
+            flat[...] = np.frombuffer(data, np.uint8, count=flat.size)
+            return True
+        assert fletcher32 is not None
         read_blosc_at(node, self._fd, offset, size, math.prod(chunks) * itemsize, fletcher32,
                       out.reshape(-1).view(np.uint8), (0,) * len(chunks))
         return True
@@ -923,7 +958,7 @@ class HDF5Reader(StoreReader):
         self.check_attributes(node)
         origin = (0,) * len(selection.start)
         if node in self._single and out.size and selection.start == origin and (
-            self._read_single_blosc(node, out) or self._pread_chunk(node, None, origin, out)
+            self._read_single_filtered(node, out) or self._pread_chunk(node, None, origin, out)
         ):
             return out
         ds = self._dsid(node)
@@ -1022,7 +1057,8 @@ class HDF5Reader(StoreReader):
         :meth:`_stored_from_header`, never opened)."""
         if self._fd is None:
             return None
-        single = None if node in self._single_blosc else self._single.get(node)
+        single = None if node in self._single_blosc or node in self._single_fletcher else (
+            self._single.get(node))
         if single is not None:
             if not any(coords) and out.flags.c_contiguous and _prefix_of_chunk(
                 out.shape, self._geometry[node][1]
@@ -1155,6 +1191,17 @@ def _written_attrs(record: TensorRecord) -> list[EncodedAttr]:
     """The attributes the writer put on the dataset of ``record``, encoded as it wrote them."""
     return [*(encode_attr(k, v) for k, v in record.attrs.items()),
             encode_attr(CHUNK_CRC_ATTR, record.table)]
+
+
+def _expected_attrs(record: TensorRecord) -> list[ExpectedAttr] | None:
+    """The attributes of :func:`_written_attrs` as bytes (:func:`.header_attrs.expected_attr`),
+    in the same order; None when a value in the record cannot be an attribute (an int past
+    int64 in a hostile manifest, ...): the dataset's attributes are then read and compared
+    value by value, which names the difference."""
+    try:
+        return expected_attrs(record.attrs, record.table)
+    except (OverflowError, ValueError, TypeError):
+        return None
 
 
 def _precision(ftype: Any) -> int:
