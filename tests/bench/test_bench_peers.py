@@ -15,7 +15,7 @@ def test_quick_run_prints_every_peer(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("safetensors")
     done = run_tool("bench/peers.py", "--quick", "--workload", "tiny", "--workload", "big",
-                    "--dir", tmp_path, timeout=600)
+                    "--first-load", "--dir", tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     for peer in ("lean_store hdf5", "lean_store zarr", "safetensors", "torch.save",
@@ -23,6 +23,11 @@ def test_quick_run_prints_every_peer(tmp_path: Path) -> None:
         assert f"| tiny | 100 | 0.0 | {peer} |" in out, out
         assert f"  {peer}: " in out  # its fitted per-tensor cost line
     assert "fitted per-tensor cost" in out
+    assert "first load in a new process" in out
+    first = out.split("first load in a new process", 1)[1]
+    for workload in ("tiny", "big"):  # a time for every peer (none missing, none failed)
+        row = next(line for line in first.splitlines() if line.startswith(f"| {workload} |"))
+        assert row.count("|") == 8 and " - " not in row, row
     assert "allocator: MALLOC_MMAP_THRESHOLD_=33554432" in out  # re-executed with it
     assert list(tmp_path.iterdir()) == []  # every file removed
 

@@ -17,6 +17,11 @@ tmpfs; DCP's ``FileSystemWriter`` fsyncs; safetensors and torch.save do not). Th
 gives medians in seconds and ratios *peer time / lean_store HDF5 time* (> 1: lean_store
 faster); the fitted per-tensor cost is the least-squares slope of time
 against tensor count over the workloads run (with a per-byte term when there are three or more).
+
+The rounds above run in one process after a warm-up, as a process that loads again and again
+does. ``--first-load`` also times each peer's first load in a new process (its libraries
+imported first, not timed), as a job that resumes once does: one subprocess per peer and
+workload, the file written by this process.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -74,7 +80,14 @@ def workloads(quick: bool) -> dict[str, dict[str, np.ndarray]]:
 
 
 def _lean(backend: str) -> Method:
+    import importlib
+
     import lean_store as ls
+
+    # the backend's modules (h5py, numcodecs, zarr), which lean_store imports at first use:
+    # imported here as every peer's libraries are, so a first load times the load alone
+    for module in {"hdf5": ("store", "sharded"), "zarr": ("store",)}[backend]:
+        importlib.import_module(f"lean_store.stores.{backend}.{module}")
 
     suffix = ".h5" if backend == "hdf5" else ".zarr"
 
@@ -182,6 +195,53 @@ def measure(states: dict[str, dict[str, np.ndarray]], peers: list[str], repeat: 
     return out
 
 
+def first_loads(states: dict[str, dict[str, np.ndarray]], peers: list[str], root: Path,
+                quick: bool) -> dict[tuple[str, str], float]:
+    """(workload, peer) -> seconds of one load in a new process (``--time-first-load``)."""
+    out: dict[tuple[str, str], float] = {}
+    for wname, state in states.items():
+        for name in peers:
+            try:
+                save, _load = PEERS[name]()
+            except ImportError:
+                continue
+            d = Path(tempfile.mkdtemp(dir=root, prefix="first-"))
+            try:
+                save(state, d)
+                done = subprocess.run(
+                    [sys.executable, __file__, "--time-first-load", name, str(d), wname,
+                     *(["--quick"] if quick else [])],
+                    capture_output=True, text=True, timeout=600, check=True)
+                out[wname, name] = float(done.stdout.strip().splitlines()[-1])
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def first_load_report(results: dict[tuple[str, str], float]) -> str:
+    peers = list(dict.fromkeys(p for _, p in results))
+    lines = ["first load in a new process (s; ratio: peer time / lean_store HDF5 time):",
+             "| workload | " + " | ".join(peers) + " |", "|---" * (len(peers) + 1) + "|"]
+    for wname in dict.fromkeys(w for w, _ in results):
+        base = results.get((wname, BASELINE))
+        cells = []
+        for p in peers:
+            t = results.get((wname, p))
+            cells.append("-" if t is None else f"{t:.4f}" + (
+                f" ({t / base:.2f})" if base else ""))
+        lines.append(f"| {wname} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _time_first_load(name: str, directory: str, wname: str, quick: bool) -> None:
+    """In the subprocess: the peer's libraries imported, then one load timed, printed."""
+    like = workloads(quick)[wname]
+    _save, load = PEERS[name]()
+    t0 = time.perf_counter()
+    load(Path(directory), like)
+    print(f"{time.perf_counter() - t0:.6f}")
+
+
 def per_tensor_cost(points: list[tuple[int, int, float]]) -> float | None:
     """Least-squares seconds per tensor from (tensors, bytes, seconds) points: time ~ a +
     b*tensors (+ c*bytes with three or more points). None with fewer than two counts."""
@@ -239,9 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", action="append",
                         choices=["resnet50", "llm", "tiny", "big", "sharded"])
     parser.add_argument("--peer", action="append", choices=list(PEERS))
+    parser.add_argument("--first-load", action="store_true",
+                        help="also time each peer's first load in a new process")
+    parser.add_argument("--time-first-load", nargs=3, metavar=("PEER", "DIR", "WORKLOAD"),
+                        help=argparse.SUPPRESS)  # the subprocess of --first-load
     parser.add_argument("--malloc-as-is", action="store_true",
                         help="keep glibc's dynamic mmap threshold (see FIXED_MALLOC)")
     args = parser.parse_args(argv)
+    if args.time_first_load:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _time_first_load(*args.time_first_load, quick=args.quick)
+        return 0
     if argv is None and not args.malloc_as_is and any(
             os.environ.get(k) != v for k, v in FIXED_MALLOC.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **FIXED_MALLOC})
@@ -256,9 +324,14 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tempfile.mkdtemp(dir=args.dir, prefix="lean_store-peers-"))
         try:
             results = measure(states, args.peer or list(PEERS), repeat, root)
+            first = first_loads(states, args.peer or list(PEERS), root, args.quick) if (
+                args.first_load) else {}
         finally:
             shutil.rmtree(root, ignore_errors=True)
         print(report(states, results))
+        if first:
+            print()
+            print(first_load_report(first))
     if not args.workload or "sharded" in args.workload:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import fsdp_peers

@@ -90,6 +90,8 @@ when they are created, so the save's workers can write the chunks at their offse
 ``HDF5TensorWriter.write_later``); smaller ones are allocated as their chunks are written."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
 MAX_PLANS = 256  # distinct (format, shape) dataset plans a writer keeps (see HDF5Writer._plan)
+CONFIRM_MISSES = 8  # datasets whose headers a reader confirms through libhdf5 in vain at open
+# before it leaves the rest to their first read (HDF5Reader._confirm_header)
 OPEN_DATASETS = 1024  # datasets a reader keeps open between calls (least recently used
 # closed): ~7 KB each without a chunk cache; with fewer, a checkpoint of many tensors had each
 # dataset opened twice, once by the checks at open and again by its first read
@@ -481,6 +483,7 @@ class HDF5Reader(StoreReader):
         self._single_fletcher: set[str] = set()  # nodes of _single: the bytes, then Fletcher-32
         self._header_types: dict[str, tuple[int, bytes]] = {}  # node -> datatype message
         self._header_differs: set[str] = set()  # header_match said no at open: not asked again
+        self._confirm_misses: set[str] = set()  # datasets libhdf5 did not confirm at open
         self._filesize: int | None = None
         self._attrs_checked: set[str] = set()  # datasets whose attributes match the manifest
         self._types: dict[str, Any] = {}
@@ -648,7 +651,9 @@ class HDF5Reader(StoreReader):
         self._tables[node] = record.table
         self._geometry[node] = (found.shape, found.chunks, found.itemsize)
         self._plain[node] = found.blosc is None and not found.fletcher32
-        if header_match(found.attributes, expected):
+        if header_match(found.attributes, expected) or self._confirm_header(
+            node, found.attributes, expected, record
+        ):
             self._attrs_checked.add(node)
         else:  # compared through libhdf5 at the first read (check_attributes)
             self._header_differs.add(node)
@@ -657,6 +662,25 @@ class HDF5Reader(StoreReader):
             chunk_shape=found.chunks, storage="hdf5", itemsize=found.itemsize,
             nbytes_on_disk=found.size, filters=filters,
         )
+
+    def _confirm_header(self, node: str, messages: dict[bytes, Any] | None,
+                        expected: list[ExpectedAttr] | None, record: TensorRecord) -> bool:
+        """The attributes of a header no confirmed encoding matched (in a new process none is
+        confirmed yet) compared through libhdf5 now (:func:`attrs_match`) and, when they are
+        the record's, the header's encodings learned (:func:`learn_header`): the datasets
+        after it then match from their headers, so a process's first open confirms a few
+        datasets instead of opening every one at its first read. After
+        :data:`CONFIRM_MISSES` datasets that libhdf5 does not confirm either (attributes
+        changed or rewritten by another tool) it stops trying in this file: those are
+        compared at their first read, which names the difference."""
+        if messages is None or expected is None or len(self._confirm_misses) >= CONFIRM_MISSES:
+            return False
+        encoded = _written_attrs(record)
+        if attrs_match(self._dsid(node), encoded):
+            learn_header(messages, expected, encoded)
+            return True
+        self._confirm_misses.add(node)  # its first read names the difference (not asked again)
+        return False
 
     def _stored_from_manifest(self, node: str, record: TensorRecord) -> StoredTensor | None:
         """The dataset's structure checked (link, layout, filters, chunks present) through the
@@ -750,7 +774,7 @@ class HDF5Reader(StoreReader):
                 self._attrs_checked.add(node)
                 return
             encoded = _written_attrs(record)
-            if attrs_match(dsid, encoded):  # exactly as written: no decoding
+            if node not in self._confirm_misses and attrs_match(dsid, encoded):  # as written
                 learn_header(messages, expected, encoded)
                 self._attrs_checked.add(node)
                 return
