@@ -660,6 +660,10 @@ def load(
                     room -= nbytes
             kept = _read_all(ck, keep, ck.verified_words)
             ck.verify([name for name in names if name not in kept])
+        else:  # each tensor's own metadata, and the chunk-file lengths the store checks on a
+            # read rather than on open (Zarr: a one-chunk array's file), before any install
+            for name in names:
+                ck.check_metadata(name)
         total = sum(ck.layout[n].nbytes for n in names)
         with make_progress(progress, f"load {Path(str(path)).name}", total) as bar:
             for name in names:

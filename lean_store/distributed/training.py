@@ -183,6 +183,9 @@ def load_training(
                 generators=generators, scheduled=scheduled, scheduler=scheduler, data=data,
                 rank=comm.rank, world=comm.size, prepare_model=hooks.prepare_model,
                 read_state=hooks.read_state)
+            if not verify:  # what the install reads, checked before it (as a single load)
+                for name in ck.layout.names():
+                    ck.check_metadata(name)
             st.share(hooks.strided)
         check_target_cover(st.shared)
         assert ck is not None and prepared is not None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -151,6 +152,8 @@ def scenario_cont4(rank: int, world: int, out: Path) -> dict:
 
     import lean_store as ls
     from lean_store.distributed import training_state
+    from lean_store.distributed.training import load_training as sharded_load_training
+    from lean_store.training.state import SCHEDULED
 
     mesh = DeviceMesh("cpu", list(range(world)))
     rec: dict = {}
@@ -166,6 +169,25 @@ def scenario_cont4(rank: int, world: int, out: Path) -> dict:
         rec[case]["unchanged"] = (
             all(before[0][k].tobytes() == after[0][k].tobytes() for k in before[0])
             and not opt.state and before[1] == after[1] and before[2] == after[2])
+    # the last model tensor's one chunk file truncated: a load without verify fails on every
+    # rank before anything is installed (its length is checked by check_metadata, not on open)
+    if rank == 0:
+        shutil.copytree(out / "tr.zarr", out / "short.zarr")
+        root = json.loads((out / "short.zarr" / "zarr.json").read_text())
+        node = next(n for n, d in root["consolidated_metadata"]["metadata"].items()
+                    if d["attributes"]["name"] == "model/1.bias")
+        chunk = out / "short.zarr" / node / "c" / "0"
+        chunk.write_bytes(chunk.read_bytes()[:-2])
+    dist.barrier()
+    model = dtensor_model(mesh, 0, zeros=True)
+    opt, sched = optimizer_for(model)
+    before = full_state(model, opt)
+    rec["short_no_verify"] = outcome(lambda: sharded_load_training(  # verify=False: internal
+        out / "short.zarr", process_group=dist.group.WORLD, model=model, names_model=model,
+        optimizer=opt, scheduler=sched, scheduled=SCHEDULED, verify=False))
+    after = full_state(model, opt)
+    rec["short_no_verify"]["unchanged"] = not opt.state and all(
+        before[k].tobytes() == after[k].tobytes() for k in before)
     # a Checkpointer of sharded steps: rank 0 picks the latest, every rank restores it
     saved = {k.replace("__", "."): v for k, v in np.load(out / "saved.npz").items()}
     model = dtensor_model(mesh, 0, zeros=True)
@@ -317,6 +339,15 @@ def test_hyperparameter_mismatch_is_rejected_on_every_rank_nothing_installed(wor
     assert errs[0]["type"] == "LayoutError" and words in errs[0]["message"]
     if case == "one_rank":
         assert "weight_decay" in errs[0]["message"]
+    assert all(e["unchanged"] for e in errs)
+
+
+def test_truncated_last_tensor_fails_a_load_without_verify_on_every_rank_nothing_installed(
+        worlds):
+    _out, _saved, cont, _loaded = worlds
+    errs = [rec["short_no_verify"] for rec in cont]
+    assert len({(e["type"], e["message"]) for e in errs}) == 1, errs
+    assert errs[0]["type"] == "IntegrityError" and "c/0" in errs[0]["message"], errs[0]
     assert all(e["unchanged"] for e in errs)
 
 

@@ -29,32 +29,62 @@ from .root_text import RootText, parse_root
 
 @dataclass
 class LocalTree:
-    """What a walk of a local Zarr directory found: every regular file and its size."""
+    """What a walk of a local Zarr directory found: every regular file, by key relative to
+    ``root``. The size of a metadata document (``zarr.json``) is read in the walk, which bounds
+    it; any other file's is read with one ``lstat`` when first asked (:meth:`size`), through
+    the pinned root directory ``pin`` where there is one (the tree that was opened)."""
 
     root: Path
-    files: dict[str, int] = field(default_factory=dict)  # key relative to root -> size
-    _by_node: dict[str, dict[str, int]] | None = None
+    files: dict[str, int | None] = field(default_factory=dict)  # key -> size, None: not read
+    pin: Any = None  # a PinnedRoot (``.fd``: the root directory held open), or None
+    _by_node: dict[str, list[str]] | None = None
 
-    def under(self, node: str) -> dict[str, int]:
-        """The files below ``node`` (key -> size), from one pass over the tree."""
-        if self._by_node is None:
-            self._by_node = {}
-            for key, size in self.files.items():
-                top, sep, _rest = key.partition("/")
-                if sep:
-                    self._by_node.setdefault(top, {})[key] = size
+    def under(self, node: str) -> list[str]:
+        """The keys of the files below ``node``, from one pass over the tree."""
         if "/" not in node:
-            return self._by_node.get(node, {})
+            by_node = self._by_node
+            if by_node is None:
+                by_node = {}
+                for key in self.files:
+                    top, sep, _rest = key.partition("/")
+                    if sep:
+                        by_node.setdefault(top, []).append(key)
+                self._by_node = by_node
+            return by_node.get(node, [])
         prefix = f"{node}/"
-        return {k: v for k, v in self.files.items() if k.startswith(prefix)}
+        return [k for k in self.files if k.startswith(prefix)]
+
+    def size(self, key: str) -> int:
+        """The size of the file ``key`` the walk found (KeyError for any other key), read with
+        an ``lstat`` the first time it is asked. A file no longer there, or no longer a
+        regular file: :class:`IntegrityError`."""
+        size = self.files[key]
+        if size is None:
+            try:
+                if self.pin is not None:
+                    info = os.stat(key, dir_fd=self.pin.fd, follow_symlinks=False)
+                else:
+                    info = os.lstat(f"{os.fspath(self.root)}/{key}")
+            except OSError as exc:
+                raise IntegrityError(f"{key}: cannot be read ({exc.strerror}); the checkpoint "
+                                     "changed while it was read") from None
+            if not stat.S_ISREG(info.st_mode):
+                raise IntegrityError(f"{key}: changed while the checkpoint was read")
+            size = self.files[key] = info.st_size
+        return size
 
 
-def scan_local_zarr(root: Path) -> LocalTree:
+def scan_local_zarr(root: Path, pin: Any = None) -> LocalTree:
     """Walk a Zarr directory once, without following links: reject any symlink or special
     file, and over-large metadata documents. The walk is bounded by what is on disk. A
     document's nesting (the root's, an array's own) is checked by whoever parses it:
-    :func:`read_json_at`, or :func:`check_zarr_document` before zarr opens it."""
-    tree = LocalTree(root)
+    :func:`read_json_at`, or :func:`check_zarr_document` before zarr opens it.
+
+    Each entry's type comes from its directory entry (``d_type``: no ``stat`` where the file
+    system reports it); only a ``zarr.json`` is ``lstat``'ed here, for its size. A chunk
+    file's size is read when asked (:meth:`LocalTree.size`). ``pin``: the root directory held
+    open (a PinnedRoot), through which those sizes are read later."""
+    tree = LocalTree(root, pin=pin)
     if not (root / "zarr.json").exists():
         return tree  # the zarr open that follows reports the missing metadata
     pending = [("", 0)]  # iterative, depth-first: no recursion, bounded depth
@@ -62,38 +92,66 @@ def scan_local_zarr(root: Path) -> LocalTree:
     files = tree.files
     while pending:
         prefix, depth = pending.pop()
-        try:
-            with os.scandir(f"{base}/{prefix}" if prefix else base) as listing:
-                entries = list(listing)
+        try:  # entries taken as the listing goes (what is raised below is no OSError)
+            with os.scandir(base + "/" + prefix if prefix else base) as listing:
+                for entry in listing:
+                    if entry.is_file(follow_symlinks=False):  # by the entry's type: no stat
+                        name = entry.name
+                        # a document's size is bounded here; any other file's is read later
+                        files[prefix + name] = _document_size(entry, prefix) \
+                            if name == "zarr.json" else None
+                    elif entry.is_dir(follow_symlinks=False):  # known without following it
+                        key = prefix + entry.name
+                        if depth + 1 > MAX_TREE_DEPTH:
+                            raise UnsafeFileError(
+                                f"{key}: directories nested more than {MAX_TREE_DEPTH} deep "
+                                "inside the checkpoint; no lean_store writer makes them"
+                            )
+                        pending.append((key + "/", depth + 1))
+                    else:
+                        _neither(entry, prefix, files)
         except OSError as exc:
             raise IntegrityError(f"{prefix or '.'}: unreadable directory ({exc})") from None
-        for entry in entries:
-            # the directory entry's type (no stat where the file system reports it): a
-            # directory is known without following it; anything else is lstat'ed (a link
-            # shows there as one) for its type and size
-            if entry.is_dir(follow_symlinks=False):
-                key = prefix + entry.name
-                if depth + 1 > MAX_TREE_DEPTH:
-                    raise UnsafeFileError(
-                        f"{key}: directories nested more than {MAX_TREE_DEPTH} deep inside the "
-                        "checkpoint; no lean_store writer makes them"
-                    )
-                pending.append((key + "/", depth + 1))
-                continue
-            info = entry.stat(follow_symlinks=False)
-            mode = info.st_mode
-            if not stat.S_ISREG(mode):
-                key = prefix + entry.name
-                if stat.S_ISLNK(mode):
-                    raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
-                if stat.S_ISDIR(mode):  # replaced by a directory since it was listed
-                    raise IntegrityError(f"{key}: changed while the checkpoint was read")
-                raise UnsafeFileError(f"{key}: {file_kind(mode)} inside the checkpoint")
-            size = info.st_size
-            if size > MAX_METADATA_BYTES and entry.name == "zarr.json":
-                raise UnsafeFileError(f"{prefix}zarr.json: {size} bytes of metadata")
-            files[prefix + entry.name] = size
     return tree
+
+
+def _document_size(entry: os.DirEntry[str], prefix: str) -> int:
+    """The size of the ``zarr.json`` at ``entry`` (one ``lstat``), at most
+    ``MAX_METADATA_BYTES``."""
+    key = prefix + entry.name
+    try:
+        info = entry.stat(follow_symlinks=False)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: changed while the checkpoint was read "
+                             f"({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):  # replaced since it was listed
+        raise IntegrityError(f"{key}: changed while the checkpoint was read")
+    if info.st_size > MAX_METADATA_BYTES:
+        raise UnsafeFileError(f"{key}: {info.st_size} bytes of metadata")
+    return info.st_size
+
+
+def _neither(entry: os.DirEntry[str], prefix: str, files: dict[str, int | None]) -> None:
+    """An entry whose type is neither a regular file nor a directory: ``lstat``'ed for what
+    it is. A link or a special file is refused; a regular file (replaced since it was
+    listed) is taken as one."""
+    key = prefix + entry.name
+    try:
+        info = entry.stat(follow_symlinks=False)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: changed while the checkpoint was read "
+                             f"({exc.strerror})") from None
+    mode = info.st_mode
+    if stat.S_ISREG(mode):
+        if entry.name == "zarr.json" and info.st_size > MAX_METADATA_BYTES:
+            raise UnsafeFileError(f"{key}: {info.st_size} bytes of metadata")
+        files[key] = info.st_size
+        return
+    if stat.S_ISLNK(mode):
+        raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
+    if stat.S_ISDIR(mode):  # replaced by a directory since it was listed
+        raise IntegrityError(f"{key}: changed while the checkpoint was read")
+    raise UnsafeFileError(f"{key}: {file_kind(mode)} inside the checkpoint")
 
 
 def check_zarr_document(root: Path, key: str) -> None:
@@ -253,8 +311,18 @@ def zarr_expected_file_size(array: Any, coords: tuple[int, ...]) -> int | None:
 
 
 def check_zarr_present(node: str, array: Any, tree: LocalTree) -> None:
-    """Every chunk (shard) file is present and, uncompressed, exactly the right size."""
+    """Every chunk (shard) file is present and, uncompressed, exactly the right size. The one
+    file of a one-chunk array of the direct layout (:attr:`.plain.PlainArray.
+    length_checked_file`) is only looked up, without a ``stat``: its read checks its length,
+    and so does :func:`check_zarr_lengths` (``check_metadata``, which a load runs on every
+    tensor before it installs any)."""
     if math.prod(array.shape) == 0:
+        return
+    found = tree.files
+    one = array.length_checked_file if isinstance(array, PlainArray) else None
+    if one is not None:  # its one file: looked up, not stat'ed
+        if one[0] not in found:
+            raise _missing(node, one[0])
         return
     present = tree.under(node)
     if isinstance(array, PlainArray):  # keys and sizes from the document alone
@@ -266,14 +334,30 @@ def check_zarr_present(node: str, array: Any, tree: LocalTree) -> None:
         files = ((key, coords, zarr_expected_file_size(array, coords))
                  for key, coords in zarr_chunk_keys(node, array, len(present)))
     for key, _coords, size in files:
-        got = present.get(key)
-        if got is None:
-            raise IntegrityError(f"{node!r}: chunk file {key!r} is missing; the data is truncated")
-        if size is not None and got != size:
-            raise IntegrityError(
-                f"{node!r}: chunk file {key!r} has {got} bytes, expected {size}; it is truncated "
-                "or corrupt"
-            )
+        if key not in found:
+            raise _missing(node, key)
+        if size is not None:
+            _check_size(node, key, tree.size(key), size)
+
+
+def check_zarr_lengths(node: str, array: Any, tree: LocalTree) -> None:
+    """The length of every file :func:`check_zarr_present` left to the read (the one file of
+    a one-chunk array of the direct layout), checked now: one ``lstat``."""
+    one = array.length_checked_file if isinstance(array, PlainArray) else None
+    if one is not None:
+        _check_size(node, one[0], tree.size(one[0]), one[1])
+
+
+def _missing(node: str, key: str) -> IntegrityError:
+    return IntegrityError(f"{node!r}: chunk file {key!r} is missing; the data is truncated")
+
+
+def _check_size(node: str, key: str, got: int, size: int) -> None:
+    if got != size:
+        raise IntegrityError(
+            f"{node!r}: chunk file {key!r} has {got} bytes, expected {size}; it is truncated "
+            "or corrupt"
+        )
 
 
 def _truncated(node: str, present: int, expected: int) -> IntegrityError:

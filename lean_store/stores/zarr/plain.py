@@ -17,6 +17,7 @@ import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,19 @@ class PlainArray:
     def grid(self) -> tuple[int, ...]:
         """The shape of one file's cell: the shard, or the chunk when unsharded."""
         return self.shards or self.chunks
+
+    @cached_property
+    def length_checked_file(self) -> tuple[str, int] | None:
+        """(key below the store root, exact size) of the one uncompressed chunk file that
+        holds the whole, non-empty array, else None. Every direct read of such a file reads it
+        whole and checks its length (one byte more asked), so the walk of the tree need not
+        ``stat`` it (:func:`.checks.check_zarr_present`)."""
+        if self.shards is None and not self.compressed and all(self.shape) \
+                and all(c >= d for c, d in zip(self.chunks, self.shape)):
+            key, _coords, size = next(self.files())
+            assert size is not None  # uncompressed: its exact size
+            return key, size
+        return None
 
     def key(self, coords: tuple[int, ...]) -> str:
         """The key (relative to the array) of the chunk (shard) file at grid ``coords``: the

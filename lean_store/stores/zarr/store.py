@@ -45,6 +45,7 @@ from .checks import (
     check_zarr_document,
     check_zarr_key,
     check_zarr_keys_exist,
+    check_zarr_lengths,
     check_zarr_present,
     parse_json,
     read_bytes_at,
@@ -444,14 +445,16 @@ class ZarrReader(StoreReader):
         self._arrays: dict[str, zarr.Array | PlainArray] = {}
         self._direct: dict[str, DirectReader | None] = {}
         self._frames = threading.local()  # compressed chunks' scratch, shared by the arrays
-        self._consistent: set[str] = set()
+        self._consistent: set[str] = set()  # own document compared with the root's copy
+        self._lengths_checked: set[str] = set()  # check_metadata's length checks done
         # per thread: inside checks_deferred() (depth), and a read not yet checked there
         self._deferral = threading.local()
         self._closed = False
 
     def _open(self, source: Any) -> None:
         # one walk of a local store, before zarr reads anything: no symlinks, bounded metadata
-        self._tree = scan_local_zarr(self._root) if self._root is not None else None
+        pin = self._watch if isinstance(self._watch, PinnedRoot) else None
+        self._tree = scan_local_zarr(self._root, pin) if self._root is not None else None
         self._source = source
         self._copies: dict[str, Any] | None = None
         self._members: dict[str, zarr.Array] | None = None
@@ -618,19 +621,27 @@ class ZarrReader(StoreReader):
 
     def check_metadata(self, node: str) -> None:
         """Check ``node``'s own metadata against the root's copy now (``verify``; reads do it
-        before their first data)."""
-        if node not in self._consistent:
+        before their first data), and the length of each chunk file whose length the open
+        left to the read (:func:`.checks.check_zarr_lengths`: a one-chunk array's file): what
+        a load without ``verify`` checks of every tensor before it installs any."""
+        if node not in self._consistent or node not in self._lengths_checked:
             try:
-                self._check_own_document(node, self._array(node))
+                array = self._array(node)
+                if node not in self._consistent:
+                    self._check_own_document(node, array)
+                    self._consistent.add(node)
+                if self._tree is not None:
+                    check_zarr_lengths(node, array, self._tree)
+                self._lengths_checked.add(node)
             except IntegrityError:
                 self.check_current()  # a file of the opened tree deleted by a save: not damage
                 raise
-            self._consistent.add(node)
 
     def metadata_checked_elsewhere(self, node: str) -> None:
-        """Another process compared ``node``'s own document with the root's copy (a sharded
-        load's verify stage) and every process agreed: not again here."""
+        """Another process ran :meth:`check_metadata` on ``node`` (a sharded load's verify
+        stage) and every process agreed: not again here."""
         self._consistent.add(node)
+        self._lengths_checked.add(node)
 
     def stored(self, node: str) -> StoredTensor:
         array = self._array(node)
@@ -656,12 +667,13 @@ class ZarrReader(StoreReader):
         array = self._array(node)
         outer, inner = array_codec_names(array)
         codecs = outer if inner is outer else [*outer, *inner]
-        under = self._tree.under(node) if self._tree is not None else None
+        tree = self._tree  # the files' sizes: an lstat each, when first asked
+        stored = None if tree is None else sum(tree.size(key) for key in tree.under(node))
         return StorageDescription(
             chunk_shape=tuple(array.chunks), codecs=tuple(codecs),
             compression=tuple(_COMPRESSOR_NAMES.get(c, c) for c in inner
                               if c not in _NOT_COMPRESSION),
-            stored_bytes=None if under is None else sum(under.values()),
+            stored_bytes=stored,
         )
 
     def structure_problems(self, node: str) -> list[ChunkProblem]:
