@@ -6,17 +6,15 @@ libhdf5, and a damaged chunk or checksum still fails with IntegrityError."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
 from helpers import assert_same_arrays
+from test_hdf5_header_blosc import _found  # single_chunk's answer beside libhdf5's
 
 import lean_store as ls
 from lean_store.errors import IntegrityError
-from lean_store.stores.hdf5.header_layout import single_chunk
 from lean_store.stores.hdf5.store import HDF5Reader
 
 
@@ -37,26 +35,10 @@ def _saved(tmp_path: Path, name: str = "ck.h5", checksum: str = "fletcher32+crc3
     return path
 
 
-def _found(path: Path) -> dict[str, tuple[object, object, int]]:
-    """single_chunk's answer for every dataset, with libhdf5's chunk record beside it."""
-    out: dict[str, tuple[object, object, int]] = {}
-    with h5py.File(path, "r") as f:
-        fd = f.id.get_vfd_handle()
-        size = os.fstat(fd).st_size
-        for name in f:
-            ds = f[name]
-            found = single_chunk(lambda n, at: os.pread(fd, n, at),
-                                 h5py.h5o.get_info(ds.id).addr, size)
-            count = ds.id.get_num_chunks()
-            info = ds.id.get_chunk_info(0) if count == 1 else None
-            out[name] = (found, info, count)
-    return out
-
-
 def test_fletcher_one_chunk_datasets_come_from_the_header(tmp_path: Path) -> None:
     """Offset and stored size (the bytes and 4 of checksum) are libhdf5's."""
     path = _saved(tmp_path)
-    for name, (found, info, count) in _found(path).items():
+    for name, (found, _codes, info, count) in _found(path).items():
         if count > 1:
             assert found is None, name
             continue
@@ -68,7 +50,7 @@ def test_fletcher_one_chunk_datasets_come_from_the_header(tmp_path: Path) -> Non
 
 def test_without_fletcher_the_flag_is_off(tmp_path: Path) -> None:
     path = _saved(tmp_path, checksum="crc32c")
-    for name, (found, _, count) in _found(path).items():
+    for name, (found, _codes, _info, count) in _found(path).items():
         if count == 1:
             assert found is not None and not found.fletcher32, name
 

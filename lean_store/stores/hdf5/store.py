@@ -910,12 +910,7 @@ class HDF5Reader(StoreReader):
                                      ) from None
             if len(raw) != size:
                 raise IntegrityError(f"tensor {node!r}: chunk {origin} is truncated")
-            try:
-                data = _FLETCHER32.decode(raw)
-            except RuntimeError as exc:
-                raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {origin}: {exc}") from None
-            flat = out.view(np.uint8).reshape(-1)
-            flat[...] = np.frombuffer(data, np.uint8, count=flat.size)
+            _fletcher32_into(node, origin, raw, out)
             return True
         assert fletcher32 is not None
         read_blosc_at(node, self._fd, offset, size, math.prod(chunks) * itemsize, fletcher32,
@@ -1168,12 +1163,7 @@ class HDF5Reader(StoreReader):
                 return False  # e.g. a chunk never written: H5Dread knows the fill value
             if mask != 0:
                 return False
-        try:
-            data = _FLETCHER32.decode(raw)
-        except RuntimeError as exc:
-            raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start}: {exc}") from None
-        flat = out.view(np.uint8).reshape(-1)
-        flat[...] = np.frombuffer(data, np.uint8, count=flat.size)
+        _fletcher32_into(node, start, raw, out)
         return True
 
     def _pread_stored_chunk(self, node: str, ds: h5d.DatasetID, start: tuple[int, ...],
@@ -1209,6 +1199,17 @@ dataset whose object header holds exactly that message equal to the type written
 format (:meth:`HDF5Reader.type_mismatch`): the same bytes decode to the same type in any file.
 """
 MAX_CONFIRMED_TYPES = 1024  # then forgotten all at once
+
+
+def _fletcher32_into(node: str, start: tuple[int, ...], raw: bytes, out: np.ndarray) -> None:
+    """The stored chunk ``raw`` (its bytes, then HDF5's Fletcher-32) checked and its first
+    ``out.nbytes`` bytes copied into ``out``; IntegrityError naming the chunk on a mismatch."""
+    try:
+        data = _FLETCHER32.decode(raw)
+    except RuntimeError as exc:
+        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start}: {exc}") from None
+    flat = out.view(np.uint8).reshape(-1)
+    flat[...] = np.frombuffer(data, np.uint8, count=flat.size)
 
 
 def _written_attrs(record: TensorRecord) -> list[EncodedAttr]:

@@ -115,15 +115,20 @@ def scan_local_zarr(root: Path, pin: Any = None) -> LocalTree:
     return tree
 
 
+def _lstat(entry: os.DirEntry[str], key: str) -> os.stat_result:
+    """``entry``'s own ``lstat``; IntegrityError when it vanished since it was listed."""
+    try:
+        return entry.stat(follow_symlinks=False)
+    except OSError as exc:
+        raise IntegrityError(f"{key}: changed while the checkpoint was read "
+                             f"({exc.strerror})") from None
+
+
 def _document_size(entry: os.DirEntry[str], prefix: str) -> int:
     """The size of the ``zarr.json`` at ``entry`` (one ``lstat``), at most
     ``MAX_METADATA_BYTES``."""
     key = prefix + entry.name
-    try:
-        info = entry.stat(follow_symlinks=False)
-    except OSError as exc:
-        raise IntegrityError(f"{key}: changed while the checkpoint was read "
-                             f"({exc.strerror})") from None
+    info = _lstat(entry, key)
     if not stat.S_ISREG(info.st_mode):  # replaced since it was listed
         raise IntegrityError(f"{key}: changed while the checkpoint was read")
     if info.st_size > MAX_METADATA_BYTES:
@@ -136,11 +141,7 @@ def _neither(entry: os.DirEntry[str], prefix: str, files: dict[str, int | None])
     it is. A link or a special file is refused; a regular file (replaced since it was
     listed) is taken as one."""
     key = prefix + entry.name
-    try:
-        info = entry.stat(follow_symlinks=False)
-    except OSError as exc:
-        raise IntegrityError(f"{key}: changed while the checkpoint was read "
-                             f"({exc.strerror})") from None
+    info = _lstat(entry, key)
     mode = info.st_mode
     if stat.S_ISREG(mode):
         if entry.name == "zarr.json" and info.st_size > MAX_METADATA_BYTES:
