@@ -43,8 +43,8 @@ from ...replacement import PinnedRoot, check_unchanged
 from .. import sharded_layout
 from ..base import ChunkProblem, Selection, StoredTensor
 from ..sharded_layout import RankShardWriter, ShardedLayout
-from .attrs import attrs_match, encode_attr, read_attrs, to_hdf5_attr, write_attrs
-from .header_attrs import ExpectedAttr, expected_attr, header_match, learn_header
+from .attrs import encode_attr, read_attrs, to_hdf5_attr, write_attrs
+from .header_attrs import ExpectedAttr, expected_attr
 from .master_manifest import (
     MASTER_MANIFEST_ATTR,
     SHARD_FILE,
@@ -358,14 +358,8 @@ class ShardedHDF5Reader(HDF5Reader):
                     expected_attr(k, v) for k, v in record.attrs.items()]
             except (OverflowError, ValueError, TypeError):  # no attribute can hold a value:
                 expected = None  # read and compared below, which names it
-            messages = None if expected is None else self._headers.attribute_messages(
-                dsid, len(expected))
-            encoded = None
-            if not header_match(messages, expected) and expected is not None:
-                encoded = [encode_attr(k, v) for k, v in record.attrs.items()]
-            if expected is not None and (encoded is None or attrs_match(dsid, encoded)):
-                if encoded is not None:  # exactly as written: no decoding
-                    learn_header(messages, expected, encoded)
+            if self._as_written(dsid, expected, lambda: [
+                    encode_attr(k, v) for k, v in record.attrs.items()]):
                 attrs = dict(record.attrs)  # as written, from the header's bytes or libhdf5
             else:
                 try:

@@ -16,7 +16,7 @@ import math
 import os
 import stat
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
@@ -766,18 +766,11 @@ class HDF5Reader(StoreReader):
         if record is None:
             return
         dsid = self._dsid(node)
-        expected = _expected_attrs(record)
-        if expected is not None:  # else a value no attribute can hold: named below
-            messages = self._headers.attribute_messages(dsid, len(expected))
-            if node not in self._header_differs and header_match(messages, expected):
-                # the header holds the bytes libhdf5 confirmed
-                self._attrs_checked.add(node)
-                return
-            encoded = _written_attrs(record)
-            if node not in self._confirm_misses and attrs_match(dsid, encoded):  # as written
-                learn_header(messages, expected, encoded)
-                self._attrs_checked.add(node)
-                return
+        if self._as_written(dsid, _expected_attrs(record), lambda: _written_attrs(record),
+                            header=node not in self._header_differs,
+                            libhdf5=node not in self._confirm_misses):
+            self._attrs_checked.add(node)
+            return
         names = [*record.attrs, CHUNK_CRC_ATTR]  # read and compared, to name the difference
         try:
             attrs = read_attrs(dsid, repr(node), names)
@@ -795,6 +788,28 @@ class HDF5Reader(StoreReader):
                 f"save: {'; '.join(problems)}"
             )
         self._attrs_checked.add(node)
+
+    def _as_written(self, dsid: h5d.DatasetID, expected: list[ExpectedAttr] | None,
+                    written: Callable[[], list[EncodedAttr]], *, header: bool = True,
+                    libhdf5: bool = True) -> bool:
+        """True when dataset ``dsid`` holds exactly the attributes written (``expected``, as
+        bytes; None: a value no attribute can hold): from its object header's bytes
+        (:func:`header_match`, unless ``header`` is False) or, failing that, through libhdf5
+        (:func:`attrs_match` of ``written()``, unless ``libhdf5`` is False), whose
+        confirmation is learned (:func:`learn_header`). False: the caller reads the attributes
+        value by value, which names the difference."""
+        if expected is None:
+            return False
+        messages = self._headers.attribute_messages(dsid, len(expected))
+        if header and header_match(messages, expected):  # the bytes libhdf5 confirmed
+            return True
+        if not libhdf5:
+            return False
+        encoded = written()
+        if attrs_match(dsid, encoded):  # exactly as written: no decoding
+            learn_header(messages, expected, encoded)
+            return True
+        return False
 
     def trust_attributes(self, node: str) -> None:
         """Skip :meth:`check_attributes` for ``node``: another process compared them with the
