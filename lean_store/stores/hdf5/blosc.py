@@ -35,7 +35,7 @@ from numcodecs import blosc
 from numcodecs.fletcher32 import Fletcher32
 
 from ...errors import IntegrityError, UnsafeFileError
-from ..blosc_frames import FORMAT, decode_frame, frame_size_limit
+from ..blosc_frames import FORMAT, compress, decode_frame, frame_size_limit
 from ..ordered_pool import OrderedPool
 from .libhdf5 import chunk_lock
 
@@ -114,8 +114,8 @@ def check_blosc_filter(node: str, dcpl: Any, layout: int) -> None:
 
 
 def _encode(chunk: np.ndarray, itemsize: int, fletcher32: bool) -> bytes | np.ndarray:
-    frame = blosc.compress(chunk, b"zstd", WEIGHTS_LEVEL, WEIGHTS_SHUFFLE, WEIGHTS_BLOCK_BYTES,
-                           typesize=itemsize)
+    frame = compress(chunk, b"zstd", WEIGHTS_LEVEL, WEIGHTS_SHUFFLE, WEIGHTS_BLOCK_BYTES,
+                     itemsize)
     return _FLETCHER32.encode(frame) if fletcher32 else frame
 
 

@@ -39,10 +39,10 @@ from typing import Any
 
 import google_crc32c
 import numpy as np
-from numcodecs import blosc
 
 from ...chunking import Region
 from ...integrity import crc32c_combine, crc32c_of
+from ..blosc_frames import compress
 from ..ordered_pool import OrderedPool
 from . import shard_index
 from .compat import BLOSC_SHUFFLES, chunk_key, codec_documents, plain_codecs, sharding_document
@@ -100,8 +100,8 @@ class BloscSettings:
     typesize: int
 
     def compress(self, chunk: np.ndarray) -> bytes:
-        return blosc.compress(chunk, self.cname, self.clevel, self.shuffle, self.blocksize,
-                              typesize=self.typesize)
+        return compress(chunk, self.cname, self.clevel, self.shuffle, self.blocksize,
+                        self.typesize)
 
 
 _CNAMES = ("blosclz", "lz4", "lz4hc", "zlib", "zstd")
