@@ -136,11 +136,10 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def _file_occupant(path: Path, size: int) -> str | None:
-    import h5py
 
     if size == 0:
         return "an empty regular file"
-    if not _is_hdf5(path, h5py):
+    if not _is_hdf5(path):
         return f"a regular file of {size} bytes that is not HDF5"
     try:
         if _hdf5_is_lean_store(path, quiet=False):
@@ -196,11 +195,10 @@ def _zarr_is_lean_store(meta: Path) -> bool:
     return isinstance(attrs, dict) and attrs.get("lean_store") == FORMAT_NAME
 
 
-def _is_hdf5(path: Path, h5py: object) -> bool:
-    try:
-        return bool(h5py.is_hdf5(str(path)))  # type: ignore[attr-defined]
-    except (OSError, ValueError):
-        return False
+def _is_hdf5(path: Path) -> bool:
+    from .hdf5.files import is_hdf5
+
+    return is_hdf5(path)
 
 
 def _hdf5_is_lean_store(path: Path, *, quiet: bool = True) -> bool:
@@ -210,10 +208,12 @@ def _hdf5_is_lean_store(path: Path, *, quiet: bool = True) -> bool:
     cannot be opened should raise h5py's error rather than count as not lean_store's."""
     import h5py
 
-    if _regular(path) is None or not _is_hdf5(path, h5py):
+    from .hdf5.files import open_file
+
+    if _regular(path) is None or not _is_hdf5(path):
         return False
     try:
-        f = h5py.File(path, "r")
+        f = open_file(path, "r")
     except Exception:  # noqa: BLE001 - h5py raises many types for damaged files
         if quiet:
             return False

@@ -44,6 +44,7 @@ from .. import sharded_layout
 from ..base import ChunkProblem, Selection, StoredTensor
 from ..sharded_layout import RankShardWriter, ShardedLayout
 from .attrs import encode_attr, read_attrs, to_hdf5_attr, write_attrs
+from .files import open_file
 from .header_attrs import ExpectedAttr, expected_attr
 from .master_manifest import (
     MASTER_MANIFEST_ATTR,
@@ -117,7 +118,7 @@ def write_master(work: str, world: int, plans: list[TensorPlan], records: list[s
     path = Path(work) / MASTER_NAME
     if master is None:
         if path.exists():
-            f = h5py.File(path, "r+", libver=MASTER_LIBVER)
+            f = open_file(path, "r+", libver=MASTER_LIBVER)
             master = OpenMaster(f, [h5o.open(f.id, node_name(p.entry.name).encode())
                                     for p in plans])
         else:
@@ -152,7 +153,7 @@ def open_master_datasets(work: str, world: int, plans: list[TensorPlan],
     other ranks' shard writes, so the commit adds only the shard records, the manifest and the
     root attributes. File types, dataspaces and source names are made once each."""
     path = Path(work) / MASTER_NAME
-    f = h5py.File(path, "w", libver=MASTER_LIBVER, track_order=True)
+    f = open_file(path, "w", libver=MASTER_LIBVER, track_order=True)
     datasets: list[Any] = []
     try:
         ftypes: dict[Any, Any] = {}

@@ -56,6 +56,7 @@ from .blosc import (
 from .checks import check_hdf5_present, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
+from .files import open_file
 from .header_attrs import (
     ExpectedAttr,
     HeaderAttributes,
@@ -315,7 +316,7 @@ class HDF5Writer(StoreWriter):
         self._holds_lock = True
         try:
             with self._creating():
-                self._file = h5py.File(self.tmp_path, "w", libver=LIBVER, track_order=True)
+                self._file = open_file(self.tmp_path, "w", libver=LIBVER, track_order=True)
         except BaseException:
             self._release()
             raise
@@ -460,7 +461,7 @@ class HDF5Reader(StoreReader):
         try:
             # no chunk cache: datasets stay open between reads (OPEN_DATASETS), and a cache
             # would hold up to 1 MiB each while serving chunks lean_store reads whole anyway
-            self._file = h5py.File(source, "r", rdcc_nbytes=0)
+            self._file = open_file(source, "r", rdcc_nbytes=0)
         except (OSError, ValueError) as exc:
             raise IntegrityError(f"{source}: not a readable HDF5 file ({exc})") from None
         try:
