@@ -368,9 +368,12 @@ def main() -> None:
                   f"{r['save_MiB_s']:10.0f} {r['load_MiB_s']:10.0f} "
                   f"{r['save_speed_vs_uncompressed']:7.2f} {r['load_speed_vs_uncompressed']:7.2f}")
         print_side_by_side(rows)
-        big = mlp(args.incremental_width, args.layers)
-        inc = bench_incremental(big, args.incremental_width, work, args.incremental_steps)
-        print_incremental(inc, sum(p.numel() for p in big.parameters()), args.incremental_steps)
+        inc = None
+        if args.incremental_steps > 0:  # 0: the formats table alone
+            big = mlp(args.incremental_width, args.layers)
+            inc = bench_incremental(big, args.incremental_width, work, args.incremental_steps)
+            print_incremental(inc, sum(p.numel() for p in big.parameters()),
+                              args.incremental_steps)
         if args.json:
             Path(args.json).write_text(json.dumps({"formats": rows, "incremental": inc,
                                                    "codec_stages": stages},
