@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointError
+from .fork_safe import ForkSafeLock
 from .layout import Layout
 from .naming import check_names
 from .options import SaveOptions, refuse
@@ -49,7 +50,7 @@ from .stores.registry import backend_for, backend_record
 from .stores.target import check_replaceable
 from .writing import write_source
 
-_LOCK = threading.Lock()
+_LOCK = ForkSafeLock()
 _RUNNING: dict[int, tuple[threading.Thread, Path]] = {}  # saves in progress, by handle number
 _UNSEEN_FAILURES: dict[int, str] = {}  # failed saves nobody waited for: their one-line report
 _NUMBERS = itertools.count()
@@ -95,6 +96,19 @@ def _register_exit_hook() -> None:
 _register_exit_hook()
 
 
+def _forget_in_child() -> None:
+    """In a forked child: the running saves are the parent's, whose threads the child does not
+    have. The parent finishes and reports them; the child's exit does not wait for them (it
+    waited forever: a ``multiprocessing`` or DataLoader worker forked during a background save
+    never exited)."""
+    _RUNNING.clear()
+    _UNSEEN_FAILURES.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class SaveHandle:
     """A save running in a background thread. ``wait()`` returns the :class:`Layout` written or
     re-raises the writer's exception; ``done()`` tells whether it has finished. A save still
@@ -102,6 +116,7 @@ class SaveHandle:
 
     def __init__(self, path: str | os.PathLike, run: Callable[[], Layout]) -> None:
         self.path = Path(path)
+        self._pid = os.getpid()
         self._future: Future[Layout] = Future()
         self._number = next(_NUMBERS)
         # not a daemon, and waited for by the exit hook before thread pools stop
@@ -144,8 +159,16 @@ class SaveHandle:
         """True once the write has finished, successfully or not."""
         return self._future.done()
 
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid and not self._future.done():
+            raise CheckpointError(
+                f"the background save to {self.path} runs in process {self._pid}; this process "
+                "is a child forked while it ran and cannot wait for it (the parent finishes it)")
+
     def wait(self, timeout: float | None = None) -> Layout:
-        """Block until the checkpoint is committed; re-raise the writer's error if it failed."""
+        """Block until the checkpoint is committed; re-raise the writer's error if it failed.
+        CheckpointError in a child forked while the save ran (it runs in the parent)."""
+        self._check_process()
         try:
             result = self._future.result(timeout)
         except FutureTimeout:
@@ -157,6 +180,7 @@ class SaveHandle:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The writer's error, or None; waits like :meth:`wait`."""
+        self._check_process()
         try:
             exc = self._future.exception(timeout)
         except FutureTimeout:
@@ -205,6 +229,7 @@ def start(
     # a foreign path: refused here
     check_replaceable(path, directory=backend_record(backend).directory)
     frozen = tensor_source(snapshot_of(obj, options.snapshot))
+    backend_record(backend).import_writer()  # here, not under the save thread's import locks
 
     def run() -> Layout:
         return write_source(frozen, path, kind=kind, backend=backend, options=options,

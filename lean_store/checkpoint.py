@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import math
-import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +24,7 @@ from .chunking import (
 from .distributed.sharded_read import StoredShard, stored_shards
 from .encoded import Encoded
 from .errors import CheckpointError, CheckpointReplacedError, FormatError, IntegrityError
+from .fork_safe import ForkSafeLock
 from .formats import ScalarFormat, get
 from .indexing import basic_index
 from .integrity import crc32c_combine, crc32c_update
@@ -45,7 +45,7 @@ KEPT_VERIFIED_BYTES = 64 << 20
 """``load`` keeps the words its verify pass read, tensor by tensor while they fit in this many
 bytes in all, and installs them without reading them again (small tensors' second read is
 most of their cost); the other tensors are read again at install, as before."""
-_CHECKER_LOCK = threading.Lock()
+_CHECKER_LOCK = ForkSafeLock()
 T = TypeVar("T")
 
 

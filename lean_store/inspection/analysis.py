@@ -19,18 +19,18 @@ a graph can be shipped to ``dask.distributed`` workers that see the same file sy
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import numpy as np
 
 from ..checkpoint import Checkpoint, as_values
 from ..errors import CheckpointError
+from ..fork_safe import ForkSafeLock
 from ..formats import BoolFormat, IntegerFormat
 from .reading import decoder, values_dtype
 
 _OPEN: dict[tuple[str, str], Checkpoint] = {}
-_OPEN_LOCK = threading.Lock()
+_OPEN_LOCK = ForkSafeLock()
 
 
 def _checkpoint(path: str, backend: str) -> Checkpoint:

@@ -7,6 +7,7 @@ record, and never branches on the backend's name.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,15 @@ class Backend:
     """``reader(path, storage_options=)``: path, URL or (Zarr) a store object."""
     sharded: Callable[[], Any]
     """The :class:`~lean_store.stores.sharded_layout.ShardedLayout` of sharded saves."""
+    writer_modules: tuple[str, ...] = ()
+    """Modules :attr:`writer` imports on first use. A background save imports them on the
+    caller's thread first: a child forked while the save's thread held a module's import lock
+    would hang at its own first import of that module."""
+
+    def import_writer(self) -> None:
+        """Import :attr:`writer_modules` (at once when they are imported already)."""
+        for name in self.writer_modules:
+            importlib.import_module(name)
 
     def check_checksum(self, checksum: Any) -> None:
         from ..errors import CheckpointError

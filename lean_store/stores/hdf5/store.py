@@ -15,7 +15,6 @@ import itertools
 import math
 import os
 import stat
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -27,6 +26,7 @@ from numcodecs.fletcher32 import Fletcher32
 
 from ...chunking import Region, chunk_count, chunk_number, grid_shape, plan_chunks, region_shape
 from ...errors import CheckpointError, IntegrityError, UnsafeFileError
+from ...fork_safe import ForkSafeLock
 from ...formats import ScalarFormat
 from ...hardening import check_chunk_shape
 from ...integrity import crc32c_combine, crc32c_of, crc_workers
@@ -289,7 +289,7 @@ def _sizes(ftype: Any, chunks: tuple[int, ...], stored: tuple[int, ...]
     return itemsize, math.prod(chunks) * itemsize, grid_shape(stored, chunks)
 
 
-_ONE_SAVE_AT_A_TIME = threading.Lock()
+_ONE_SAVE_AT_A_TIME = ForkSafeLock()
 """HDF5 saves in one process run one after another. The HDF5 1.14 that h5py 3.12-3.15 bundles
 corrupts its state when threads write different files at once (seen with three background
 saves: "ring type mismatch occurred for cache entry", a failed H5DOwrite_chunk); h5py

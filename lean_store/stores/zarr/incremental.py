@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CheckpointError
+from ...fork_safe import ForkSafeLock
 
 _CRC_BYTES = 4
 
@@ -231,7 +232,7 @@ def _metadata(array_dir: Path) -> dict[str, Any] | None:
     return meta
 
 
-_STATS_LOCK = threading.Lock()
+_STATS_LOCK = ForkSafeLock()
 
 
 class UnitLinker:
