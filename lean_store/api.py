@@ -24,6 +24,7 @@ from .errors import CheckpointError
 from .layout import Layout
 from .options import SaveOptions, merge_options, refuse
 from .sources import tensor_source
+from .stores.registry import backend_for, backend_record
 from .writing import write_source
 
 
@@ -74,6 +75,7 @@ def write(
                                 options=options, kind=kind, extra_root=extra_root)
         check_options(path, backend, options)  # here, not only at wait()
         frozen = FrozenPieces(state, options.snapshot)
+        backend_record(backend_for(path, backend)).import_writer()  # as start() does
         return SaveHandle(path, lambda: sharded_save(
             frozen, path, process_group=process_group, backend=backend, options=options,
             kind=kind, extra_root=extra_root))

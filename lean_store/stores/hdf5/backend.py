@@ -56,5 +56,6 @@ HDF5 = Backend(
     name="hdf5", title="HDF5", suffixes=(".h5", ".hdf5", ".hdf"), directory=False, urls=False,
     incremental=False, checksums=(None, *CHECKSUMS),
     storage_name=_storage_name, stored_shape=_stored_shape, holds=_holds,
-    writer=_writer, reader=_reader, sharded=_sharded, writer_modules=(f"{__package__}.store",),
+    writer=_writer, reader=_reader, sharded=_sharded,
+    writer_modules=(f"{__package__}.store", f"{__package__}.sharded"),
 )

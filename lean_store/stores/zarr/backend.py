@@ -61,5 +61,5 @@ ZARR = Backend(
     name="zarr", title="Zarr", suffixes=(".zarr",), directory=True, urls=True, incremental=True,
     checksums=(None, "crc32c"), storage_name=_storage_name, stored_shape=_stored_shape,
     holds=_holds, writer=_writer, reader=_reader, sharded=_sharded,
-    writer_modules=(f"{__package__}.store",),
+    writer_modules=(f"{__package__}.store", f"{__package__}.sharded"),
 )
