@@ -144,3 +144,46 @@ def test_a_first_background_save_imports_its_store_on_the_callers_thread(
         env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "True"
+
+
+_CHILD_EXITS_NORMALLY = """
+import os, sys, threading
+import numpy as np
+import lean_store as ls
+from lean_store.stores.hdf5 import store
+state = {f"t{i}": np.arange(20000, dtype=np.float32) * (i + 1) for i in range(60)}
+reached, release = threading.Event(), threading.Event()
+real, count, parent = store.HDF5Writer.add_tensor, [0], os.getpid()
+def held(self, *args, **kwargs):
+    count[0] += 1
+    if os.getpid() == parent and count[0] == 30:  # half the tensors are in the file
+        reached.set()
+        release.wait(60)
+    return real(self, *args, **kwargs)
+store.HDF5Writer.add_tensor = held
+handle = ls.save_async(state, sys.argv[1])
+assert reached.wait(60)
+go_r, go_w = os.pipe()
+pid = os.fork()
+if pid == 0:  # waits until the parent's save is committed, then exits normally: libhdf5's
+    os.read(go_r, 1)  # exit handler closes the files it holds open (the parent's, as forked)
+    sys.exit(0)
+release.set()
+handle.wait()
+os.write(go_w, b"x")
+os.waitpid(pid, 0)
+ls.verify(sys.argv[1]).raise_if_bad()
+back = ls.load_state(sys.argv[1])
+print(all(np.array_equal(back[k], v) for k, v in state.items()))
+"""
+
+
+def test_a_child_that_exits_normally_leaves_the_parents_hdf5_save_intact(tmp_path: Path
+                                                                         ) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", _CHILD_EXITS_NORMALLY,
+                           str(tmp_path / "parent.h5")],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "True"

@@ -48,7 +48,7 @@ def _save(tmp_path: Path, name: str) -> Path:
     ls.save(STATE, path, compression="weights")
     back = ls.load_state(path)
     assert all(np.array_equal(back[k], v) for k, v in STATE.items())
-    ls.verify(path)
+    ls.verify(path).raise_if_bad()
     return path
 
 

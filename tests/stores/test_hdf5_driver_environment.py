@@ -28,14 +28,14 @@ rng = np.random.default_rng(5)
 state = {f"w{i}": rng.standard_normal((n, 64)).astype(np.float32)
          for i, n in enumerate([3, 1000, 20000])}
 out = {"before": ls.load_state(before)["w"].tolist()}
-ls.verify(before)
+ls.verify(before).raise_if_bad()
 for comp in (None, "weights"):
     path = os.path.join(folder, f"ckpt-{comp}.h5")
     ls.save(state, path, compression=comp)
     ls.save({k: v + 1 for k, v in state.items()}, path, compression=comp)  # replaces it
     back = ls.load_state(path)
     out[str(comp)] = all(np.array_equal(back[k], v + 1) for k, v in state.items())
-    ls.verify(path)
+    ls.verify(path).raise_if_bad()
 out["files"] = sorted(os.listdir(folder))
 print(json.dumps(out))
 """

@@ -8,15 +8,28 @@ so lean_store names the driver (``sec2``, HDF5's default, the one the header pat
 reads through); sources that are not paths (file objects) keep h5py's choice. Whether a file
 is HDF5 at all is read from its signature (:func:`is_hdf5`), not asked of libhdf5, which would
 open it with that driver too.
+
+A process forked while lean_store writes an HDF5 file holds libhdf5's copy of that open file.
+When such a child exits normally, libhdf5's exit handler flushes and closes the files it has
+open: it wrote the child's stale metadata into the parent's file and truncated it to the
+child's end of file, so the parent committed a corrupt checkpoint. Files being written are
+therefore opened and closed here (:func:`open_for_writing`, :func:`close_written`), recorded
+while open, and in a forked child HDF5's descriptor of
+each is pointed at a throwaway file (``dup2``) before the child runs on: whatever libhdf5 does
+with it there reaches neither the parent's file nor its checkpoint.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
+import tempfile
 from typing import Any
 
 import h5py
+
+from ...fork_safe import ForkSafeLock
 
 DRIVER = "sec2"
 SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -28,6 +41,66 @@ def open_file(source: Any, mode: str, **kwargs: Any) -> h5py.File:
     if isinstance(source, (str, bytes, os.PathLike)):
         kwargs["driver"] = DRIVER
     return h5py.File(source, mode, **kwargs)
+
+
+_WRITING: dict[int, int] = {}  # token -> HDF5's descriptor of a file lean_store is writing
+_WRITING_LOCK = ForkSafeLock()
+_TOKENS = itertools.count()
+
+
+def open_for_writing(path: str | os.PathLike[str], **kwargs: Any) -> tuple[h5py.File, int | None]:
+    """``open_file(path, "w", **kwargs)`` and its token for :func:`close_written`. No fork
+    happens between the two (the before-fork hook waits for them): a child never holds the
+    file unrecorded."""
+    with _WRITING_LOCK:
+        file = open_file(path, "w", **kwargs)
+        try:
+            fd = file.id.get_vfd_handle()
+        except (OSError, RuntimeError, ValueError, TypeError):
+            fd = None
+        if not isinstance(fd, int):
+            return file, None
+        token = next(_TOKENS)
+        _WRITING[token] = fd
+        return file, token
+
+
+def close_written(file: h5py.File, token: int | None) -> None:
+    """Close ``file`` (of :func:`open_for_writing`) and forget it, with no fork in between (a
+    child would otherwise redirect the closed descriptor's number, reused meanwhile)."""
+    with _WRITING_LOCK:
+        try:
+            file.close()
+        finally:
+            if token is not None:
+                _WRITING.pop(token, None)
+
+
+def _throwaway() -> int:
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("lean_store-forked-hdf5", getattr(os, "MFD_CLOEXEC", 0))
+    fd, name = tempfile.mkstemp(prefix=".lean_store-forked-")
+    os.unlink(name)
+    return fd
+
+
+def _detach_in_child() -> None:
+    descriptors = list(_WRITING.values())
+    _WRITING.clear()
+    for fd in descriptors:
+        try:
+            spare = _throwaway()
+            try:
+                os.dup2(spare, fd)
+            finally:
+                os.close(spare)
+        except OSError:  # nothing to redirect: the file is not there either
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_WRITING_LOCK.acquire, after_in_parent=_WRITING_LOCK.release,
+                        after_in_child=_detach_in_child)
 
 
 def is_hdf5(path: str | os.PathLike[str]) -> bool:
@@ -54,4 +127,4 @@ def is_hdf5(path: str | os.PathLike[str]) -> bool:
         os.close(fd)
 
 
-__all__ = ["DRIVER", "SIGNATURE", "is_hdf5", "open_file"]
+__all__ = ["DRIVER", "SIGNATURE", "close_written", "is_hdf5", "open_file", "open_for_writing"]

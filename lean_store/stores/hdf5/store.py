@@ -56,7 +56,7 @@ from .blosc import (
 from .checks import check_hdf5_present, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
-from .files import open_file
+from .files import close_written, open_file, open_for_writing
 from .header_attrs import (
     ExpectedAttr,
     HeaderAttributes,
@@ -314,9 +314,11 @@ class HDF5Writer(StoreWriter):
         self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _plan
         _ONE_SAVE_AT_A_TIME.acquire()  # released when the file is closed (finish or abort)
         self._holds_lock = True
+        self._writing: int | None = None  # open_for_writing's token while the file is open
         try:
             with self._creating():
-                self._file = open_file(self.tmp_path, "w", libver=LIBVER, track_order=True)
+                self._file, self._writing = open_for_writing(self.tmp_path, libver=LIBVER,
+                                                             track_order=True)
         except BaseException:
             self._release()
             raise
@@ -412,7 +414,7 @@ class HDF5Writer(StoreWriter):
             ]))
         attrs["complete"] = np.int8(1)  # written last: a file without it is incomplete
         self._file.flush()
-        self._file.close()
+        close_written(self._file, self._writing)
         self._release()
 
     def _stop_pool(self, *, flush: bool) -> None:
@@ -424,7 +426,7 @@ class HDF5Writer(StoreWriter):
     def _close_quietly(self) -> None:
         self._stop_pool(flush=False)
         try:
-            self._file.close()
+            close_written(self._file, self._writing)
         except Exception:  # noqa: BLE001 - closing a broken file must not mask the first error
             pass
         finally:
