@@ -48,12 +48,13 @@ _WRITING_LOCK = ForkSafeLock()
 _TOKENS = itertools.count()
 
 
-def open_for_writing(path: str | os.PathLike[str], **kwargs: Any) -> tuple[h5py.File, int | None]:
-    """``open_file(path, "w", **kwargs)`` and its token for :func:`close_written`. No fork
-    happens between the two (the before-fork hook waits for them): a child never holds the
-    file unrecorded."""
+def open_for_writing(path: str | os.PathLike[str], mode: str = "w", **kwargs: Any
+                     ) -> tuple[h5py.File, int | None]:
+    """``open_file(path, mode, **kwargs)`` (a writing mode) and its token for
+    :func:`close_written`. No fork happens between the two (the before-fork hook waits for
+    them): a child never holds the file unrecorded."""
     with _WRITING_LOCK:
-        file = open_file(path, "w", **kwargs)
+        file = open_file(path, mode, **kwargs)
         try:
             fd = file.id.get_vfd_handle()
         except (OSError, RuntimeError, ValueError, TypeError):

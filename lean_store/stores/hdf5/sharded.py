@@ -44,7 +44,7 @@ from .. import sharded_layout
 from ..base import ChunkProblem, Selection, StoredTensor
 from ..sharded_layout import RankShardWriter, ShardedLayout
 from .attrs import encode_attr, read_attrs, to_hdf5_attr, write_attrs
-from .files import open_file
+from .files import close_written, open_for_writing
 from .header_attrs import ExpectedAttr, expected_attr
 from .master_manifest import (
     MASTER_MANIFEST_ATTR,
@@ -98,14 +98,14 @@ class OpenMaster:
     datasets while the other ranks write shards) to the commit, which adds the shard records:
     the datasets are not opened a second time by name."""
 
-    def __init__(self, file: h5py.File, datasets: list[Any]) -> None:
+    def __init__(self, file: h5py.File, datasets: list[Any], token: int | None) -> None:
         self.file = file
         self.datasets = datasets  # h5d.DatasetID, one per plan, in plan order
+        self._token = token  # files.open_for_writing's
 
     def close(self) -> None:
         self.datasets = []
-        if self.file.id.valid:
-            self.file.close()
+        close_written(self.file, self._token)  # also when already closed: forgets the token
 
 
 def write_master(work: str, world: int, plans: list[TensorPlan], records: list[str],
@@ -118,9 +118,9 @@ def write_master(work: str, world: int, plans: list[TensorPlan], records: list[s
     path = Path(work) / MASTER_NAME
     if master is None:
         if path.exists():
-            f = open_file(path, "r+", libver=MASTER_LIBVER)
+            f, token = open_for_writing(path, "r+", libver=MASTER_LIBVER)
             master = OpenMaster(f, [h5o.open(f.id, node_name(p.entry.name).encode())
-                                    for p in plans])
+                                    for p in plans], token)
         else:
             master = open_master_datasets(work, world, plans, chunk_bytes)
     try:
@@ -153,7 +153,7 @@ def open_master_datasets(work: str, world: int, plans: list[TensorPlan],
     other ranks' shard writes, so the commit adds only the shard records, the manifest and the
     root attributes. File types, dataspaces and source names are made once each."""
     path = Path(work) / MASTER_NAME
-    f = open_file(path, "w", libver=MASTER_LIBVER, track_order=True)
+    f, token = open_for_writing(path, "w", libver=MASTER_LIBVER, track_order=True)
     datasets: list[Any] = []
     try:
         ftypes: dict[Any, Any] = {}
@@ -189,9 +189,9 @@ def open_master_datasets(work: str, world: int, plans: list[TensorPlan],
             write_attrs(dset, tensor_attrs(entry, storage_kind(entry.format)))
             datasets.append(dset)
     except BaseException:
-        OpenMaster(f, datasets).close()
+        OpenMaster(f, datasets, token).close()
         raise
-    return OpenMaster(f, datasets)
+    return OpenMaster(f, datasets, token)
 
 
 def write_master_datasets(work: str, world: int, plans: list[TensorPlan],
