@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _encode_str
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Protocol
 
 import google_crc32c
 import numpy as np
@@ -246,6 +246,55 @@ def json_document_bytes(doc: dict[str, Any]) -> bytes:
     return "".join(out).encode()
 
 
+class _Out(Protocol):
+    def append(self, piece: str, /) -> None: ...
+
+
+class _FileBlocks:
+    """An ``out`` for the encoders that writes the pieces to a file in blocks of about
+    :data:`_BLOCK_CHARS` characters, instead of keeping them for one join."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self._pieces: list[str] = []
+        self._chars = 0
+
+    def append(self, piece: str, /) -> None:
+        self._pieces.append(piece)
+        self._chars += len(piece)
+        if self._chars >= _BLOCK_CHARS:
+            self.flush()
+
+    def flush(self) -> None:
+        self._file.write("".join(self._pieces).encode())
+        self._pieces.clear()
+        self._chars = 0
+
+
+_BLOCK_CHARS = 1 << 20
+
+
+def write_json_document(doc: dict[str, Any], path: Path) -> None:
+    """Write ``doc`` to ``path`` (created or replaced) as :func:`json_document_bytes` encodes
+    it, byte for byte, in blocks: a root holding the consolidated metadata of tens of thousands
+    of arrays (tens of MB of text) is never held as its pieces, one string and its bytes at
+    once, which made most of a many-tensor save's peak memory."""
+    indent = zarr.config.get("json_indent")
+    if not isinstance(indent, int) or isinstance(indent, bool) or indent < 0:
+        path.write_bytes(json_document_bytes(doc))
+        return
+    with open(path, "wb") as f:
+        blocks = _FileBlocks(f)
+        try:
+            _encode_indented(doc, blocks, "\n", " " * indent)
+        except _Unusual:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps(_decoded(doc), indent=indent, allow_nan=True).encode())
+            return
+        blocks.flush()
+
+
 def encoded_document(doc: dict[str, Any]) -> EncodedDocument:
     """``doc``'s text as :func:`json_document_bytes` writes it, to place in a larger one."""
     return EncodedDocument(json_document_bytes(doc).decode())
@@ -271,7 +320,7 @@ class _Unusual(Exception):
 _FLOAT_NAMES = {math.inf: "Infinity", -math.inf: "-Infinity"}
 
 
-def _encode_indented(value: Any, out: list[str], newline: str, step: str) -> None:
+def _encode_indented(value: Any, out: _Out, newline: str, step: str) -> None:
     if isinstance(value, EncodedDocument):  # JSON text holds no raw newline but its indents
         out.append(value.replace("\n", newline))
     elif isinstance(value, str):
@@ -345,7 +394,7 @@ _MEMO: dict[tuple[str, str, str, str], str] = {}
 _MEMO_LIMIT = 1024
 
 
-def _encode_memo(key: str, value: Any, out: list[str], newline: str, step: str) -> None:
+def _encode_memo(key: str, value: Any, out: _Out, newline: str, step: str) -> None:
     memo = (key, repr(value), newline, step)  # plain JSON values: repr tells them apart
     text = _MEMO.get(memo)
     if text is None:

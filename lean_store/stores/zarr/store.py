@@ -63,6 +63,7 @@ from .compat import (
     local_root,
     metadata_document,
     plain_array_document,
+    write_json_document,
 )
 from .direct_read import DirectReader, direct_read_ok
 from .direct_write import DirectWriter, direct_ok, make_dirs, write_all
@@ -413,7 +414,7 @@ class ZarrWriter(StoreWriter):
             # metadata and ``complete`` is written once, last, without rereading the arrays
             attrs = {**_plain(root_attrs), "complete": True}  # a new group has none
             doc = consolidated_group_document(attrs, self._written)
-            (self._direct_root / "zarr.json").write_bytes(json_document_bytes(doc))
+            write_json_document(doc, self._direct_root / "zarr.json")
             return
         self._group.attrs.update(_plain(root_attrs))
         mark_complete(self._group)  # written last: a store without it is incomplete
