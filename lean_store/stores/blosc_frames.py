@@ -45,11 +45,9 @@ def compress(chunk: np.ndarray, cname: bytes, clevel: int, shuffle: int, blocksi
     CheckpointError, naming the variables set, when c-blosc fails or wrote something else."""
     if threading.current_thread() is threading.main_thread() \
             and any(name in os.environ for name in CBLOSC_ENVIRONMENT):
-        frame = _OWN_CONTEXT.get().submit(_compress_checked, chunk, cname, clevel, shuffle,
-                                          blocksize, typesize).result()
-    else:
-        frame = _compress_checked(chunk, cname, clevel, shuffle, blocksize, typesize)
-    return frame
+        return _OWN_CONTEXT.get().submit(_compress_checked, chunk, cname, clevel, shuffle,
+                                         blocksize, typesize).result()
+    return _compress_checked(chunk, cname, clevel, shuffle, blocksize, typesize)
 
 
 def _compress_checked(chunk: np.ndarray, cname: bytes, clevel: int, shuffle: int,

@@ -136,7 +136,6 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def _file_occupant(path: Path, size: int) -> str | None:
-
     if size == 0:
         return "an empty regular file"
     if not _is_hdf5(path):
@@ -196,9 +195,14 @@ def _zarr_is_lean_store(meta: Path) -> bool:
 
 
 def _is_hdf5(path: Path) -> bool:
-    from .hdf5.files import is_hdf5
+    """HDF5's signature at 0 or after a user block, read directly (not through libhdf5, whose
+    default driver ``HDF5_DRIVER`` may change); ``path`` is a regular file."""
+    from .hdf5.checks import hdf5_superblock_offset
 
-    return is_hdf5(path)
+    try:
+        return hdf5_superblock_offset(path) is not None
+    except OSError:
+        return False
 
 
 def _hdf5_is_lean_store(path: Path, *, quiet: bool = True) -> bool:

@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tool_runner import tool_env
 
 import lean_store as ls
 import lean_store.async_save as async_save
 from lean_store.stores.hdf5 import store as hdf5_store
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
-ROOT = Path(__file__).resolve().parents[2]
 STATE = {f"t{i}": np.arange(4096, dtype=np.float32) * (i + 1) for i in range(8)}
 CHILD_SECONDS = 60  # a child that has not exited by then hangs
 
@@ -112,6 +112,12 @@ def test_a_child_forked_during_a_background_save_saves_loads_and_exits(
         ["child.h5", "child.zarr", target.name])
 
 
+def _run_script(code: str, path: Path) -> subprocess.CompletedProcess[str]:
+    """``python -c code path`` with this checkout's lean_store, output captured."""
+    return subprocess.run([sys.executable, "-c", code, str(path)], env=tool_env(),
+                          capture_output=True, text=True, timeout=180)
+
+
 _FIRST_SAVE = """
 import sys, threading
 import numpy as np
@@ -136,12 +142,8 @@ handle.wait()
 @pytest.mark.parametrize(("backend", "suffix"), [("hdf5", ".h5"), ("zarr", ".zarr")])
 def test_a_first_background_save_imports_its_store_on_the_callers_thread(
         tmp_path: Path, backend: str, suffix: str) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_FIRST_SAVE.format(backend=backend)),
-         str(tmp_path / f"first{suffix}")],
-        env=env, capture_output=True, text=True, timeout=120)
+    done = _run_script(textwrap.dedent(_FIRST_SAVE.format(backend=backend)),
+                       tmp_path / f"first{suffix}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "True"
 
@@ -180,10 +182,6 @@ print(all(np.array_equal(back[k], v) for k, v in state.items()))
 
 def test_a_child_that_exits_normally_leaves_the_parents_hdf5_save_intact(tmp_path: Path
                                                                          ) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", _CHILD_EXITS_NORMALLY,
-                           str(tmp_path / "parent.h5")],
-                          env=env, capture_output=True, text=True, timeout=180)
+    done = _run_script(_CHILD_EXITS_NORMALLY, tmp_path / "parent.h5")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "True"

@@ -6,8 +6,8 @@ libhdf5 takes its default file driver from ``HDF5_DRIVER``: with ``split``, ``mu
 "no such file", and a load failed to find the checkpoint's one file. A checkpoint is one file,
 so lean_store names the driver (``sec2``, HDF5's default, the one the header path's ``pread``
 reads through); sources that are not paths (file objects) keep h5py's choice. Whether a file
-is HDF5 at all is read from its signature (:func:`is_hdf5`), not asked of libhdf5, which would
-open it with that driver too.
+is HDF5 at all is read from its signature (:func:`.checks.hdf5_superblock_offset`), not asked
+of libhdf5, which would open it with that driver too.
 
 A process forked while lean_store writes an HDF5 file holds libhdf5's copy of that open file.
 When such a child exits normally, libhdf5's exit handler flushes and closes the files it has
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import stat
 import tempfile
 from typing import Any
 
@@ -32,8 +31,6 @@ import h5py
 from ...fork_safe import ForkSafeLock
 
 DRIVER = "sec2"
-SIGNATURE = b"\x89HDF\r\n\x1a\n"
-"""HDF5's format signature, the first bytes of the superblock."""
 
 
 def open_file(source: Any, mode: str, **kwargs: Any) -> h5py.File:
@@ -104,28 +101,4 @@ if hasattr(os, "register_at_fork"):
                         after_in_child=_detach_in_child)
 
 
-def is_hdf5(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a regular file with HDF5's signature where a superblock may start
-    (offset 0, 512, 1024, 2048, ...: the places libhdf5 looks). False for anything else,
-    including what cannot be read; a FIFO or device is never opened for reading."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return False
-        offset = 0
-        while offset + len(SIGNATURE) <= st.st_size:
-            if os.pread(fd, len(SIGNATURE), offset) == SIGNATURE:
-                return True
-            offset = 512 if offset == 0 else offset * 2
-        return False
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-__all__ = ["DRIVER", "SIGNATURE", "close_written", "is_hdf5", "open_file", "open_for_writing"]
+__all__ = ["DRIVER", "close_written", "open_file", "open_for_writing"]

@@ -233,8 +233,8 @@ def json_document_bytes(doc: dict[str, Any]) -> bytes:
     encodes in pure Python through generators (~0.6 ms for one array's document); the same
     text is built here by one recursive pass that hands every leaf to the C string encoder."""
     indent = zarr.config.get("json_indent")
-    if not isinstance(indent, int) or isinstance(indent, bool) or indent < 0:
-        return json.dumps(_decoded(doc), indent=indent, allow_nan=True).encode()
+    if not _plain_indent(indent):
+        return _dumped(doc, indent)
     out: list[str] = []
     try:
         text = _array_text(doc, " " * indent) if type(doc) is dict else None
@@ -242,8 +242,18 @@ def json_document_bytes(doc: dict[str, Any]) -> bytes:
             return text.encode()
         _encode_indented(doc, out, "\n", " " * indent)
     except _Unusual:
-        return json.dumps(_decoded(doc), indent=indent, allow_nan=True).encode()
+        return _dumped(doc, indent)
     return "".join(out).encode()
+
+
+def _plain_indent(indent: Any) -> bool:
+    """Whether zarr's ``json_indent`` is one the fast encoders take (a count of spaces)."""
+    return isinstance(indent, int) and not isinstance(indent, bool) and indent >= 0
+
+
+def _dumped(doc: dict[str, Any], indent: Any) -> bytes:
+    """``doc`` as zarr's own ``json.dumps`` encodes it: what the fast encoders leave."""
+    return json.dumps(_decoded(doc), indent=indent, allow_nan=True).encode()
 
 
 class _Out(Protocol):
@@ -280,8 +290,8 @@ def write_json_document(doc: dict[str, Any], path: Path) -> None:
     of arrays (tens of MB of text) is never held as its pieces, one string and its bytes at
     once, which made most of a many-tensor save's peak memory."""
     indent = zarr.config.get("json_indent")
-    if not isinstance(indent, int) or isinstance(indent, bool) or indent < 0:
-        path.write_bytes(json_document_bytes(doc))
+    if not _plain_indent(indent):
+        path.write_bytes(_dumped(doc, indent))
         return
     with open(path, "wb") as f:
         blocks = _FileBlocks(f)
@@ -290,7 +300,7 @@ def write_json_document(doc: dict[str, Any], path: Path) -> None:
         except _Unusual:
             f.seek(0)
             f.truncate()
-            f.write(json.dumps(_decoded(doc), indent=indent, allow_nan=True).encode())
+            f.write(_dumped(doc, indent))
             return
         blocks.flush()
 
