@@ -53,6 +53,25 @@ def to_hdf5_attr(value: Any) -> Any:
     return np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data))))
 
 
+def joined_utf8_attr(pieces: list[str]) -> np.ndarray:
+    """What :func:`to_hdf5_attr` makes of ``"".join(pieces)`` (a fixed-length UTF-8 string),
+    built with one copy of the text: each piece is copied into place and dropped from
+    ``pieces`` (the caller's list is emptied), so a large manifest is not held as a string,
+    its bytes and the array at once."""
+    total = sum(len(piece) if piece.isascii() else len(piece.encode("utf-8"))
+                for piece in pieces)
+    out = np.zeros((), dtype=h5py.string_dtype("utf-8", max(1, total)))
+    buf = out.reshape(1).view(np.uint8)
+    at = 0
+    for i, piece in enumerate(pieces):
+        raw = piece.encode("utf-8")
+        buf[at:at + len(raw)] = np.frombuffer(raw, np.uint8)
+        at += len(raw)
+        pieces[i] = ""
+    pieces.clear()
+    return out
+
+
 class EncodedAttr(NamedTuple):
     """One attribute as written: its name, data (in the memory type) and those bytes, file
     type, memory type and dataspace. ``raw`` is what reading it back with ``mtype`` gives."""

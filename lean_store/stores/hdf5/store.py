@@ -42,7 +42,15 @@ from ..base import (
     TensorWriter,
 )
 from ..ordered_pool import OrderedPool
-from .attrs import EncodedAttr, attrs_match, encode_attr, read_attrs, to_hdf5_attr, write_attrs
+from .attrs import (
+    EncodedAttr,
+    attrs_match,
+    encode_attr,
+    joined_utf8_attr,
+    read_attrs,
+    to_hdf5_attr,
+    write_attrs,
+)
 from .blosc import (
     BLOSC_FILTER,
     BloscChunks,
@@ -68,11 +76,10 @@ from .header_attrs import (
 from .libhdf5 import chunk_lock, library
 from .manifest import (
     MANIFEST_ATTR,
+    ManifestBuilder,
     TensorRecord,
     attribute_differences,
-    manifest_text,
     parse_manifest,
-    record_json,
 )
 from .types import hdf5_type, needs_nbit
 from .verify import structure_problems
@@ -310,7 +317,7 @@ class HDF5Writer(StoreWriter):
         self._fletcher32 = checksum == "fletcher32+crc32c"
         # shuffle + deflate or Blosc workers, when used: one queue for the whole file
         self._queue: OrderedPool | None = None
-        self._records: list[dict[str, Any]] = []  # the manifest, one record per dataset
+        self._records = ManifestBuilder()  # the manifest, one record per dataset
         self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _plan
         _ONE_SAVE_AT_A_TIME.acquire()  # released when the file is closed (finish or abort)
         self._holds_lock = True
@@ -335,7 +342,7 @@ class HDF5Writer(StoreWriter):
         # direct: no filter but (maybe) fletcher32, so no shuffle + deflate or Blosc either
         deflate = None if direct else self._deflate_chunks(dcpl, dset, ftype.get_size())
         record = {"node": node, "attrs": dict(attrs), "stored_shape": stored, "chunks": chunks}
-        self._records.append(record)
+        self._records.add(record)
         return HDF5TensorWriter(dset, entry, ftype, chunks, direct, fletcher32, deflate, record,
                                 attrs, stored, self._fd if behind else None, sizes)
 
@@ -407,11 +414,8 @@ class HDF5Writer(StoreWriter):
         attrs = self._file.attrs
         for key, value in root_attrs.items():
             attrs[key] = to_hdf5_attr(value)
-        if all("table" in r for r in self._records):  # every tensor closed: the manifest
-            attrs[MANIFEST_ATTR] = to_hdf5_attr(manifest_text([
-                record_json(r["node"], r["attrs"], r["stored_shape"], r["chunks"], r["table"])
-                for r in self._records
-            ]))
+        if self._records.complete():  # every tensor closed: the manifest
+            attrs[MANIFEST_ATTR] = joined_utf8_attr(self._records.take_pieces())
         attrs["complete"] = np.int8(1)  # written last: a file without it is incomplete
         self._file.flush()
         close_written(self._file, self._writing)
