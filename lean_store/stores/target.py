@@ -23,19 +23,25 @@ replaced; anything else (a directory, a link, a file of another kind, an empty f
 
 from __future__ import annotations
 
-import json
+import codecs
 import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError, ForeignPathError
+from .json_top import last_member, leading_members, top_level_members
 
 FORMAT_NAME = "lean_store"  # the root attribute ``lean_store`` of every checkpoint holds this
 SHARDED_HDF5_MASTER = "lean_store.h5"  # the master file of a sharded HDF5 checkpoint
 MAX_ZARR_JSON = 256 << 20  # a root zarr.json larger than this is not one lean_store wrote
 _SHOWN_ENTRIES = 3
+_ZARR_ROOT_MEMBERS = frozenset({"zarr_format", "node_type", "attributes"})
+_ZARR_ROOT_HEAD = frozenset({"attributes", "zarr_format"})  # the leading members
+_ROOT_HEAD_BYTES = 1 << 20  # a root zarr.json larger than this is read from both ends first
+_ROOT_TAIL_BYTES = 4096
 
 
 def check_replaceable(path: str | os.PathLike, *, directory: bool | None = None) -> None:
@@ -183,15 +189,42 @@ def _zarr_is_lean_store(meta: Path) -> bool:
     if size is None or size > MAX_ZARR_JSON:
         return False
     try:
-        doc = json.loads(meta.read_bytes())
-    except (OSError, ValueError, RecursionError):
+        doc = _zarr_root_members(meta, size)
+    except (OSError, ValueError):
         return False
-    if not isinstance(doc, dict) or doc.get("zarr_format") != 3:
+    if doc is None or doc.get("zarr_format") != 3:
         return False
     if doc.get("node_type") != "group":
         return False
     attrs = doc.get("attributes")
     return isinstance(attrs, dict) and attrs.get("lean_store") == FORMAT_NAME
+
+
+def _zarr_root_members(meta: Path, size: int) -> dict[str, Any] | None:
+    """``zarr_format``, ``node_type`` and ``attributes`` of a root ``zarr.json`` of ``size``
+    bytes. A root with consolidated metadata holds ~1.3 kB per array: a large one whose
+    leading members are ``attributes`` and ``zarr_format`` and whose last is ``node_type`` (as
+    zarr-python and lean_store write it) has only its first part and its end read; any other
+    is parsed whole, keeping those three members only."""
+    with open(meta, "rb") as f:
+        if size > _ROOT_HEAD_BYTES:
+            f.seek(size - _ROOT_TAIL_BYTES)
+            last = last_member(f.read().decode("utf-8", "replace"))
+            if last is not None and last[0] == "node_type":
+                f.seek(0)
+                decode = codecs.getincrementaldecoder("utf-8")().decode
+                head = decode(f.read(_ROOT_HEAD_BYTES))
+                while True:
+                    found = leading_members(head, _ZARR_ROOT_HEAD)
+                    if found is not None and found.keys() == _ZARR_ROOT_HEAD:
+                        return {**found, "node_type": last[1]}
+                    more = f.read(len(head))  # a cut-short head: twice as much of it
+                    if not more:
+                        break
+                    head += decode(more)
+                del head
+            f.seek(0)
+        return top_level_members(f.read().decode("utf-8"), _ZARR_ROOT_MEMBERS)
 
 
 def _is_hdf5(path: Path) -> bool:
