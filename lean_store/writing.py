@@ -108,6 +108,10 @@ def write_source(
                 if stable and nbytes >= OVERLAP_CRC_BYTES:
                     order.make_room(nbytes)
                     later = sink.write_later(region, bits, _submitter(crc_pool))
+                elif stable and sink.small_later:  # a small unit: its bytes queued
+                    later = crc32c_of(bits)
+                    if not sink.write_small_later(region, bits, later, _submitter(crc_pool)):
+                        sink.write(region, bits, later)
                 if later is not None:
                     order.unit(sink, later, nbytes)
                 else:

@@ -76,6 +76,8 @@ class TensorWriter(ABC):
     entry: Entry
     chunk_shape: tuple[int, ...]
     write_unit: tuple[int, ...]
+    small_later: bool = False
+    """True when :meth:`write_small_later` may take units under 1 MiB."""
 
     @abstractmethod
     def write(self, region: Region, bits: np.ndarray, crc: Any = None) -> int | None:
@@ -90,6 +92,14 @@ class TensorWriter(ABC):
         thread pool and returns its future, whose result is the CRC-32C of ``bits``. None
         (the default) where this writer writes its units in order only: use :meth:`write`."""
         return None
+
+    def write_small_later(self, region: Region, bits: np.ndarray, crc: int, submit: Any
+                          ) -> bool:
+        """Queue a small unit of a ``bits`` that stays unchanged until the save ends, its
+        CRC-32C ``crc`` already computed, for the store to write later on a worker (with
+        ``submit``, as :meth:`write_later`). False (the default): not queued, use
+        :meth:`write`."""
+        return False
 
     @abstractmethod
     def close(self, attrs: dict[str, Any]) -> None:

@@ -49,6 +49,8 @@ def test_failed_overwrite_keeps_previous_checkpoint(tmp_path, backend, suffix, m
         return real(self, region, bits, crc)
 
     monkeypatch.setattr(cls, "write", failing)
+    # small HDF5 chunks of host tensors are written behind in batches, not by write
+    monkeypatch.setattr(cls, "small_later", False, raising=False)
     with pytest.raises(RuntimeError, match="disk on fire"):
         ls.save(_state(2), path, chunk_bytes=1024)
     monkeypatch.undo()

@@ -81,6 +81,7 @@ from .manifest import (
     attribute_differences,
     parse_manifest,
 )
+from .small_writes import SmallChunkWrites, pwrite_all
 from .types import hdf5_type, needs_nbit
 from .verify import structure_problems
 
@@ -93,9 +94,9 @@ compact in the object header they cost less to write and read (docs/FORMAT.md 2.
 SPLIT_READ_BYTES = 2 << 20
 """A chunk read whole of at least this many bytes is read in two halves on two threads."""
 BEHIND_CHUNK_BYTES = 1 << 20
-"""Unfiltered datasets whose chunks are at least this large have their chunk space allocated
-when they are created, so the save's workers can write the chunks at their offsets (see
-``HDF5TensorWriter.write_later``); smaller ones are allocated as their chunks are written."""
+"""Unfiltered datasets have their chunk space allocated when they are created, so that the
+save's workers write the chunks at their offsets (see ``HDF5TensorWriter.write_later``): each
+chunk at least this large on its own, smaller ones in batches (``small_writes``)."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
 MAX_PLANS = 256  # distinct (format, shape) dataset plans a writer keeps (see HDF5Writer._plan)
 CONFIRM_MISSES = 8  # datasets whose headers a reader confirms through libhdf5 in vain at open
@@ -162,8 +163,12 @@ class HDF5TensorWriter(TensorWriter):
         record: dict[str, Any] | None = None, attrs: dict[str, Any] | None = None,
         stored: tuple[int, ...] | None = None, fd: int | None = None,
         sizes: tuple[int, int, tuple[int, ...]] | None = None,
+        small: SmallChunkWrites | None = None,
     ):
         self._dset = dset
+        # where chunks under BEHIND_CHUNK_BYTES are queued when this dataset's chunks are
+        # written at their offsets (``fd``): the save's workers write them in batches
+        self._small = small if fd is not None else None
         # the file's descriptor when every chunk of this dataset was allocated at its creation
         # and is unfiltered: chunks may then be written there by the save's workers
         self._fd = fd
@@ -185,6 +190,10 @@ class HDF5TensorWriter(TensorWriter):
         self._direct = direct
         self._fletcher32 = fletcher32
         self._crcs = np.zeros(math.prod(self._grid), np.uint32)  # the chunk_crc32c table
+
+    @property
+    def small_later(self) -> bool:  # type: ignore[override]
+        return self._small is not None
 
     def _write_chunk(self, region: Region, bits: np.ndarray) -> None:
         data = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
@@ -234,18 +243,55 @@ class HDF5TensorWriter(TensorWriter):
         if self._fd is None:
             return None
         start = tuple(s.start for s in region)
-        try:
-            with chunk_lock():
-                info = self._dset.get_chunk_info_by_coord(start)
-        except (OSError, RuntimeError, ValueError, KeyError):
-            return None
-        if info.byte_offset is None or info.size != self._chunk_nbytes or info.filter_mask:
+        found = self._chunk_at(start)
+        if found is None:
             return None
         data = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
         if data.size > self._chunk_nbytes:
             return None
         coords = tuple(a // c for a, c in zip(start, self.chunk_shape))
-        return submit(self._write_at, chunk_number(coords, self._grid), info.byte_offset, data)
+        return submit(self._write_at, chunk_number(coords, self._grid), found, data)
+
+    def write_small_later(self, region: Region, bits: np.ndarray, crc: int, submit: Any
+                          ) -> bool:
+        """A small unfiltered chunk of a dataset allocated at creation, its CRC-32C ``crc``
+        known: recorded, and its bytes queued for a worker to write at its offset with the
+        next ones (``small_writes``). False: not queued, use :meth:`write`."""
+        if self._small is None:
+            return False
+        start = tuple(s.start for s in region)
+        found = self._chunk_at(start)
+        if found is None:
+            return False
+        data = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
+        if data.size > self._chunk_nbytes:
+            return False
+        coords = tuple(a // c for a, c in zip(start, self.chunk_shape))
+        self._crcs[chunk_number(coords, self._grid)] = crc
+        self._small.add(found, data, self._chunk_nbytes - data.size, submit)
+        return True
+
+    def _chunk_at(self, start: tuple[int, ...]) -> int | None:
+        """The file offset of the allocated, unfiltered, full-size chunk at ``start``; None
+        where it has none (the chunk is then written through HDF5)."""
+        lib = library()
+        if lib is not None:
+            info = lib.chunk_info(self._dset.id, start)
+            if info is None:
+                return None
+            mask, offset, size = info
+        else:
+            try:
+                with chunk_lock():
+                    got = self._dset.get_chunk_info_by_coord(start)
+            except (OSError, RuntimeError, ValueError, KeyError):
+                return None
+            if got.byte_offset is None:
+                return None
+            mask, offset, size = got.filter_mask, got.byte_offset, got.size
+        if size != self._chunk_nbytes or mask:
+            return None
+        return int(offset)
 
     def _compress_later(self, region: Region, bits: np.ndarray, submit: Any) -> Any:
         """A whole chunk of a compressed dataset from a stable source (its memory unchanged
@@ -332,6 +378,7 @@ class HDF5Writer(StoreWriter):
         # HDF5's own descriptor, for chunks written by the save's workers (None: another
         # driver; every chunk then goes through H5Dwrite_chunk)
         self._fd = _write_descriptor(self._file)
+        self._small = SmallChunkWrites(self._fd) if self._fd is not None else None
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         stored = entry.shape or (1,)
@@ -344,7 +391,8 @@ class HDF5Writer(StoreWriter):
         record = {"node": node, "attrs": dict(attrs), "stored_shape": stored, "chunks": chunks}
         self._records.add(record)
         return HDF5TensorWriter(dset, entry, ftype, chunks, direct, fletcher32, deflate, record,
-                                attrs, stored, self._fd if behind else None, sizes)
+                                attrs, stored, self._fd if behind else None, sizes,
+                                self._small)
 
     def _plan(self, fmt: ScalarFormat, stored: tuple[int, ...]) -> tuple[Any, ...]:
         """(file type, chunk shape, creation property list, dataspace, direct chunk writes,
@@ -372,8 +420,7 @@ class HDF5Writer(StoreWriter):
             dcpl.set_fletcher32()
         nfilters = dcpl.get_nfilters()
         fletcher32 = nfilters == 1 and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
-        behind = self._fd is not None and nfilters == 0 and \
-            math.prod(chunks) * ftype.get_size() >= BEHIND_CHUNK_BYTES
+        behind = self._fd is not None and nfilters == 0
         if behind:  # chunk space allocated by H5Dcreate: workers write the chunks there
             dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
         if len(self._plans) >= MAX_PLANS:
@@ -411,6 +458,8 @@ class HDF5Writer(StoreWriter):
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
         self._stop_pool(flush=True)  # every tensor is closed: its last chunks written
+        if self._small is not None:
+            self._small.finish()  # the small chunks queued on the workers, written
         attrs = self._file.attrs
         for key, value in root_attrs.items():
             attrs[key] = to_hdf5_attr(value)
@@ -429,6 +478,8 @@ class HDF5Writer(StoreWriter):
 
     def _close_quietly(self) -> None:
         self._stop_pool(flush=False)
+        if self._small is not None:
+            self._small.abandon()
         try:
             close_written(self._file, self._writing)
         except Exception:  # noqa: BLE001 - closing a broken file must not mask the first error
@@ -1290,22 +1341,6 @@ def _write_descriptor(file: h5py.File) -> int | None:
     except (OSError, RuntimeError, ValueError, TypeError):
         return None
     return fd if isinstance(fd, int) and regular else None
-
-
-def pwrite_all(fd: int, pieces: list[Any], offset: int) -> None:
-    """``pieces`` written one after another from ``offset`` with ``pwritev`` (resumed after
-    a short write; at most 1024 buffers a call, IOV_MAX on Linux)."""
-    views = [memoryview(p).cast("B") for p in pieces if p.nbytes]
-    while views:
-        done = os.pwritev(fd, views[:1024], offset)
-        if done <= 0:
-            raise OSError(f"pwritev wrote nothing at offset {offset}")
-        offset += done
-        while views and done >= views[0].nbytes:
-            done -= views[0].nbytes
-            views.pop(0)
-        if done:
-            views[0] = views[0][done:]
 
 
 def _h5read(node: str, ds: h5d.DatasetID, ftype: Any, selection: Selection, out: np.ndarray
