@@ -216,3 +216,60 @@ def test_pwrite_all_resumes_short_writes(tmp_path: Path, monkeypatch: pytest.Mon
     finally:
         hdf5_store.os.close(fd)
     assert path.read_bytes() == b"x" * 5 + bytes(pieces[0]) + bytes(pieces[2])
+
+
+def test_attributes_put_off_are_all_written(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A closed dataset's attributes are written later, in batches of ``ATTRS_BATCH`` or
+    while the save waits for its workers (``spare_work``); each dataset has all of them."""
+    monkeypatch.setattr(hdf5_store, "ATTRS_BATCH", 3)
+    spare = []
+    real = hdf5_store.HDF5Writer.spare_work
+
+    def spare_work(writer: Any) -> bool:
+        did = real(writer)
+        spare.append(did)
+        return did
+
+    monkeypatch.setattr(hdf5_store.HDF5Writer, "spare_work", spare_work)
+    rng = np.random.default_rng(9)
+    state = {f"l{i}.{k}": rng.standard_normal(n, dtype=np.float32)
+             for i in range(12) for k, n in (("w", 3 * MIB // 4), ("b", 64))}
+    path = tmp_path / "ck.h5"
+    ls.save(state, path, chunk_bytes=MIB)
+    with h5py.File(path, "r") as f:
+        for name, value in state.items():
+            attrs = f[name].attrs
+            assert attrs["name"] == name.encode() or attrs["name"] == name
+            assert int(attrs["crc32c"]) == crc32c_of(value)
+            assert len(attrs["chunk_crc32c"]) == (3 if value.size > 64 else 1)
+    assert True in spare  # some were written while the save waited
+    ls.verify(path).raise_if_bad()
+    back = ls.load_state(path)
+    assert all(back[k].tobytes() == v.tobytes() for k, v in state.items())
+
+
+def test_the_save_does_spare_work_while_it_waits() -> None:
+    from concurrent.futures import Future
+
+    pending: Future[int] = Future()
+    calls = []
+
+    def spare() -> bool:
+        calls.append(1)
+        if len(calls) == 3:
+            pending.set_result(crc32c_of(np.arange(4, dtype=np.uint8)))
+        return len(calls) < 5
+
+    closed = []
+
+    class Sink:
+        def close(self, attrs: dict[str, Any]) -> None:
+            closed.append(attrs["crc32c"])
+
+    order = writing._InOrder(spare)
+    order.unit(Sink(), pending, 4)
+    order.end(Sink())
+    assert closed == [] and calls == []
+    order.settle()
+    assert len(calls) == 3 and closed == [crc32c_of(np.arange(4, dtype=np.uint8))]
