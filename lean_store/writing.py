@@ -91,7 +91,7 @@ def write_source(
 
     crc_pool = _crc_pool()
     with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar:
-        order = _InOrder(writer.spare_work)
+        order = _InOrder()
         counting = type(bar) is not NullProgress  # no call per unit without a bar
         try:
             for (sink, stable, last), region, bits in staged(units(),
@@ -194,8 +194,7 @@ class _InOrder:
     combined into its tensor's digest, and each tensor closed, in save order, once the units
     before are done."""
 
-    def __init__(self, spare_work: Callable[[], bool] = lambda: False) -> None:
-        self._spare_work = spare_work  # the store's deferred work, done instead of waiting
+    def __init__(self) -> None:
         # (sink, the unit's CRC-32C or its future, its bytes); (sink, None, 0): a tensor's end
         self._queue: deque[tuple[Any, int | Future[int] | None, int]] = deque()
         self._behind = 0  # bytes of the queued futures
@@ -238,8 +237,6 @@ class _InOrder:
             if isinstance(crc, Future):
                 if not wait and not crc.done():
                     return
-                while not crc.done() and self._spare_work():
-                    pass
                 value = crc.result()
                 self._behind -= nbytes
                 self._futures -= 1

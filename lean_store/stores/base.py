@@ -141,11 +141,6 @@ class StoreWriter(ABC):
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         """Create the dataset of ``entry`` with its attributes."""
 
-    def spare_work(self) -> bool:
-        """Do a little of the work this writer put off (while the save waits for its
-        workers); False when there is none."""
-        return False
-
     @abstractmethod
     def _finish(self, root_attrs: dict[str, Any]) -> None:
         """Write root attributes (``complete`` last), flush and close the temporary copy."""

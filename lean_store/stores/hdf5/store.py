@@ -98,9 +98,6 @@ BEHIND_CHUNK_BYTES = 1 << 20
 save's workers write the chunks at their offsets (see ``HDF5TensorWriter.write_later``): each
 chunk at least this large on its own, smaller ones in batches (``small_writes``)."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
-ATTRS_BATCH = 512
-"""Closed datasets whose attributes a writer holds before it writes them (see
-``HDF5Writer._defer_attrs``; each holds its dataset open and ~1 kB)."""
 MAX_PLANS = 256  # distinct (format, shape) dataset plans a writer keeps (see HDF5Writer._plan)
 CONFIRM_MISSES = 8  # datasets whose headers a reader confirms through libhdf5 in vain at open
 # before it leaves the rest to their first read (HDF5Reader._confirm_header)
@@ -167,10 +164,8 @@ class HDF5TensorWriter(TensorWriter):
         stored: tuple[int, ...] | None = None, fd: int | None = None,
         sizes: tuple[int, int, tuple[int, ...]] | None = None,
         small: SmallChunkWrites | None = None,
-        defer_attrs: Callable[[Any, dict[str, Any], bool], None] | None = None,
     ):
         self._dset = dset
-        self._defer_attrs = defer_attrs  # where close() hands its attributes (None: writes)
         # where chunks under BEHIND_CHUNK_BYTES are queued when this dataset's chunks are
         # written at their offsets (``fd``): the save's workers write them in batches
         self._small = small if fd is not None else None
@@ -332,11 +327,8 @@ class HDF5TensorWriter(TensorWriter):
     def close(self, attrs: dict[str, Any]) -> None:
         # chunks still compressing on the writer's queue are written later (by the next
         # tensors' writes, at the latest when the file is finished); their CRCs are known
-        final = {**(self._attrs or {}), **attrs, CHUNK_CRC_ATTR: self._crcs}
-        if self._defer_attrs is not None:
-            self._defer_attrs(self._dset, final, self._attrs is None)
-        else:
-            write_attrs(self._dset, final, replace=self._attrs is None)
+        write_attrs(self._dset, {**(self._attrs or {}), **attrs, CHUNK_CRC_ATTR: self._crcs},
+                    replace=self._attrs is None)
         if self._record is not None:
             self._record["attrs"].update(attrs)
             self._record["table"] = self._crcs
@@ -387,7 +379,6 @@ class HDF5Writer(StoreWriter):
         # driver; every chunk then goes through H5Dwrite_chunk)
         self._fd = _write_descriptor(self._file)
         self._small = SmallChunkWrites(self._fd) if self._fd is not None else None
-        self._attrs_due: list[tuple[Any, dict[str, Any], bool]] = []  # see _defer_attrs
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         stored = entry.shape or (1,)
@@ -401,7 +392,7 @@ class HDF5Writer(StoreWriter):
         self._records.add(record)
         return HDF5TensorWriter(dset, entry, ftype, chunks, direct, fletcher32, deflate, record,
                                 attrs, stored, self._fd if behind else None, sizes,
-                                self._small, self._defer_attrs)
+                                self._small)
 
     def _plan(self, fmt: ScalarFormat, stored: tuple[int, ...]) -> tuple[Any, ...]:
         """(file type, chunk shape, creation property list, dataspace, direct chunk writes,
@@ -439,30 +430,6 @@ class HDF5Writer(StoreWriter):
                                    _sizes(ftype, chunks, stored))
         return plan
 
-    def _defer_attrs(self, dset: Any, attrs: dict[str, Any], replace: bool) -> None:
-        """A closed dataset's attributes, written with the next ones (:data:`ATTRS_BATCH`):
-        the thread that runs libhdf5 then creates the following datasets, and hands their
-        chunks to the workers, before it spends ~0.08 ms per dataset on attributes, so the
-        workers' writes overlap that work even where the large tensors come last."""
-        self._attrs_due.append((dset, attrs, replace))
-        if len(self._attrs_due) >= ATTRS_BATCH:
-            self._write_due_attrs()
-
-    def spare_work(self) -> bool:
-        """A few of the attributes put off (:meth:`_defer_attrs`), written while the save
-        waits for its workers."""
-        if not self._attrs_due:
-            return False
-        for dset, attrs, replace in self._attrs_due[-8:]:
-            write_attrs(dset, attrs, replace=replace)
-        del self._attrs_due[-8:]
-        return True
-
-    def _write_due_attrs(self) -> None:
-        due, self._attrs_due = self._attrs_due, []
-        for dset, attrs, replace in due:
-            write_attrs(dset, attrs, replace=replace)
-
     def _deflate_chunks(self, dcpl: h5p.PropDCID, dset: h5d.DatasetID, itemsize: int
                         ) -> DeflateChunks | BloscChunks | None:
         """Threaded shuffle + deflate when the filters are exactly those (+ fletcher32);
@@ -490,7 +457,6 @@ class HDF5Writer(StoreWriter):
         return self._queue
 
     def _finish(self, root_attrs: dict[str, Any]) -> None:
-        self._write_due_attrs()
         self._stop_pool(flush=True)  # every tensor is closed: its last chunks written
         if self._small is not None:
             self._small.finish()  # the small chunks queued on the workers, written
