@@ -78,11 +78,15 @@ class _Spy:
         monkeypatch.setattr(small_writes, "_write_batch", write_batch)
 
 
-def test_chunks_written_behind_equal_in_order(tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def _save_in_order(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as m:
         m.setattr(ArraySourceTensor, "stable_reads", False)  # every chunk by H5Dwrite_chunk
-        ls.save(STATE, tmp_path / "in_order.h5", chunk_bytes=MIB)
+        ls.save(STATE, path, chunk_bytes=MIB)
+
+
+def test_chunks_written_behind_equal_in_order(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    _save_in_order(tmp_path / "in_order.h5", monkeypatch)
     spy = _Spy(monkeypatch)
     ls.save(STATE, tmp_path / "behind.h5", chunk_bytes=MIB)
     assert spy.calls == 1 + 3 + 2 + 1  # whole 1 MiB chunks, each on its own
@@ -107,9 +111,7 @@ def test_chunks_written_behind_equal_in_order(tmp_path: Path,
 def test_every_chunk_on_its_own_equals_in_order(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Units of any size written behind one by one (``_write_at`` pads the edge chunks)."""
-    with monkeypatch.context() as m:
-        m.setattr(ArraySourceTensor, "stable_reads", False)  # every chunk by H5Dwrite_chunk
-        ls.save(STATE, tmp_path / "in_order.h5", chunk_bytes=MIB)
+    _save_in_order(tmp_path / "in_order.h5", monkeypatch)
     spy = _Spy(monkeypatch)
     monkeypatch.setattr(writing, "OVERLAP_CRC_BYTES", 0)
     ls.save(STATE, tmp_path / "behind.h5", chunk_bytes=MIB)

@@ -240,36 +240,37 @@ class HDF5TensorWriter(TensorWriter):
         :meth:`write`."""
         if self._deflate is not None:
             return self._compress_later(region, bits, submit)
-        if self._fd is None:
+        placed = self._placed(region, bits) if self._fd is not None else None
+        if placed is None:
             return None
-        start = tuple(s.start for s in region)
-        found = self._chunk_at(start)
-        if found is None:
-            return None
-        data = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
-        if data.size > self._chunk_nbytes:
-            return None
-        coords = tuple(a // c for a, c in zip(start, self.chunk_shape))
-        return submit(self._write_at, chunk_number(coords, self._grid), found, data)
+        return submit(self._write_at, *placed)
 
     def write_small_later(self, region: Region, bits: np.ndarray, crc: int, submit: Any
                           ) -> bool:
         """A small unfiltered chunk of a dataset allocated at creation, its CRC-32C ``crc``
         known: recorded, and its bytes queued for a worker to write at its offset with the
         next ones (``small_writes``). False: not queued, use :meth:`write`."""
-        if self._small is None:
+        small = self._small
+        placed = self._placed(region, bits) if small is not None else None
+        if small is None or placed is None:
             return False
+        number, offset, data = placed
+        self._crcs[number] = crc
+        small.add(offset, data, self._chunk_nbytes - data.size, submit)
+        return True
+
+    def _placed(self, region: Region, bits: np.ndarray) -> tuple[int, int, np.ndarray] | None:
+        """(chunk number, file offset, bytes) of the chunk ``region`` when it can be written
+        at its offset (allocated, unfiltered, full size, ``bits`` no larger); else None."""
         start = tuple(s.start for s in region)
-        found = self._chunk_at(start)
-        if found is None:
-            return False
+        offset = self._chunk_at(start)
+        if offset is None:
+            return None
         data = np.ascontiguousarray(bits).view(np.uint8).reshape(-1)
         if data.size > self._chunk_nbytes:
-            return False
+            return None
         coords = tuple(a // c for a, c in zip(start, self.chunk_shape))
-        self._crcs[chunk_number(coords, self._grid)] = crc
-        self._small.add(found, data, self._chunk_nbytes - data.size, submit)
-        return True
+        return chunk_number(coords, self._grid), offset, data
 
     def _chunk_at(self, start: tuple[int, ...]) -> int | None:
         """The file offset of the allocated, unfiltered, full-size chunk at ``start``; None
