@@ -6,6 +6,7 @@ H5Dwrite_chunk writes, every chunk is still checked on read, a failure leaves no
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import threading
@@ -218,3 +219,43 @@ def test_pwrite_all_resumes_short_writes(tmp_path: Path, monkeypatch: pytest.Mon
     finally:
         hdf5_store.os.close(fd)
     assert path.read_bytes() == b"x" * 5 + bytes(pieces[0]) + bytes(pieces[2])
+
+
+def test_batches_in_flight_are_bounded(tmp_path: Path) -> None:
+    """The caller waits for the oldest batch before it hands off one more than
+    ``MAX_BATCHES``: copies of non-contiguous chunks cannot pile up on a slow disk."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gate = threading.Event()
+    most = [0]
+    running = [0]
+    lock = threading.Lock()
+
+    def slow(fn: Any, *args: Any) -> Any:
+        def run() -> Any:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            gate.wait(0.05)
+            try:
+                return fn(*args)
+            finally:
+                with lock:
+                    running[0] -= 1
+        return pool.submit(run)
+
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDWR)
+    chunk = np.full(small_writes.BATCH_BYTES, 7, np.uint8)
+    try:
+        with ThreadPoolExecutor(32) as pool:
+            writes = small_writes.SmallChunkWrites(fd)
+            for i in range(3 * small_writes.MAX_BATCHES):
+                writes.add(i * chunk.size, chunk, 0, slow)
+                assert len(writes._pending) <= small_writes.MAX_BATCHES
+            writes.finish()
+    finally:
+        os.close(fd)
+    assert most[0] <= small_writes.MAX_BATCHES
+    assert path.stat().st_size == 3 * small_writes.MAX_BATCHES * chunk.size

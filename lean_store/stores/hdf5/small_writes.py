@@ -19,6 +19,10 @@ import numpy as np
 
 BATCH_BYTES = 1 << 20
 """Bytes of small chunks handed to a worker at once."""
+MAX_BATCHES = 8
+"""Batches handed off and not yet written, at most: the caller waits for the oldest before it
+hands off one more, so that chunks copied from a non-contiguous source (``bits`` that are not
+views of the tensor's memory) stay within ~8 MiB when the disk is slower than the save."""
 
 
 def pwrite_all(fd: int, pieces: list[Any], offset: int) -> None:
@@ -69,6 +73,8 @@ class SmallChunkWrites:
             return
         items, self._items, self._bytes = self._items, [], 0
         self._pending = [f for f in self._pending if not f.done() or f.exception()]
+        while len(self._pending) >= MAX_BATCHES:
+            self._pending.pop(0).result()  # an error is raised here, as at finish()
         self._pending.append(self._submit(_write_batch, self._fd, items))
 
     def finish(self) -> None:
