@@ -90,6 +90,7 @@ def write_source(
             yield (sink, stable, True), tensor, region
 
     crc_pool = _crc_pool()
+    submit = _submitter(crc_pool)  # for units written behind
     with writer, make_progress(progress, f"save {Path(path).name}", layout.nbytes) as bar:
         order = _InOrder()
         counting = type(bar) is not NullProgress  # no call per unit without a bar
@@ -107,10 +108,10 @@ def write_source(
                 later = None
                 if stable and nbytes >= OVERLAP_CRC_BYTES:
                     order.make_room(nbytes)
-                    later = sink.write_later(region, bits, _submitter(crc_pool))
+                    later = sink.write_later(region, bits, submit)
                 elif stable and sink.small_later:  # a small unit: its bytes queued
                     later = crc32c_of(bits)
-                    if not sink.write_small_later(region, bits, later, _submitter(crc_pool)):
+                    if not sink.write_small_later(region, bits, later, submit):
                         sink.write(region, bits, later)
                 if later is not None:
                     order.unit(sink, later, nbytes)

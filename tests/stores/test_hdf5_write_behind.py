@@ -203,21 +203,21 @@ def test_many_small_tensors_written_in_batches_read_back(tmp_path: Path,
 
 def test_pwrite_all_resumes_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A short pwritev (a signal, a nearly full disk) is resumed where it stopped."""
-    real = hdf5_store.os.pwritev
+    real = small_writes.os.pwritev
 
     def short(fd: int, views: list[Any], offset: int) -> int:
         first = memoryview(views[0])
         return real(fd, [first[: max(1, first.nbytes // 3)]], offset)
 
-    monkeypatch.setattr(hdf5_store.os, "pwritev", short)
+    monkeypatch.setattr(small_writes.os, "pwritev", short)
     pieces = [np.arange(1000, dtype=np.uint8), np.zeros(0, np.uint8), np.full(7, 9, np.uint8)]
     path = tmp_path / "f"
     path.write_bytes(b"x" * 10)
-    fd = hdf5_store.os.open(path, hdf5_store.os.O_RDWR)
+    fd = os.open(path, os.O_RDWR)
     try:
-        hdf5_store.pwrite_all(fd, pieces, 5)
+        small_writes.pwrite_all(fd, pieces, 5)
     finally:
-        hdf5_store.os.close(fd)
+        os.close(fd)
     assert path.read_bytes() == b"x" * 5 + bytes(pieces[0]) + bytes(pieces[2])
 
 

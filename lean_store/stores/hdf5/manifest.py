@@ -101,8 +101,7 @@ class ManifestBuilder:
         parts, self._parts = self._parts, []
         pieces = [f'{{"version":{MANIFEST_VERSION},"tensors":[']
         for i, part in enumerate(parts):
-            pieces.append("," + part if i else part)
-            parts[i] = ""
+            pieces += [",", part] if i else [part]
         pieces.append("]}")
         return pieces
 

@@ -41,11 +41,16 @@ def pwrite_all(fd: int, pieces: list[Any], offset: int) -> None:
             views[0] = views[0][done:]
 
 
+def write_padded(fd: int, offset: int, data: np.ndarray, pad: int) -> None:
+    """``data`` written at ``offset``, then ``pad`` zero bytes (an edge chunk, as
+    ``H5Dwrite_chunk`` would store it)."""
+    pwrite_all(fd, [data, np.zeros(pad, np.uint8)] if pad else [data], offset)
+
+
 def _write_batch(fd: int, items: list[tuple[int, np.ndarray, int]]) -> int:
-    """Each ``(offset, bytes, padding)`` of ``items`` written at its offset, the padding as
-    zeros after the bytes (an edge chunk, as ``H5Dwrite_chunk`` would store it)."""
+    """Each ``(offset, bytes, padding)`` of ``items`` written (:func:`write_padded`)."""
     for offset, data, pad in items:
-        pwrite_all(fd, [data, np.zeros(pad, np.uint8)] if pad else [data], offset)
+        write_padded(fd, offset, data, pad)
     return len(items)
 
 

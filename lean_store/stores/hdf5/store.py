@@ -81,7 +81,7 @@ from .manifest import (
     attribute_differences,
     parse_manifest,
 )
-from .small_writes import SmallChunkWrites, pwrite_all
+from .small_writes import SmallChunkWrites, write_padded
 from .types import hdf5_type, needs_nbit
 from .verify import structure_problems
 
@@ -93,10 +93,6 @@ attributes of every lean_store dataset to dense storage (a fractal heap and B-tr
 compact in the object header they cost less to write and read (docs/FORMAT.md 2.5)."""
 SPLIT_READ_BYTES = 2 << 20
 """A chunk read whole of at least this many bytes is read in two halves on two threads."""
-BEHIND_CHUNK_BYTES = 1 << 20
-"""Unfiltered datasets have their chunk space allocated when they are created, so that the
-save's workers write the chunks at their offsets (see ``HDF5TensorWriter.write_later``): each
-chunk at least this large on its own, smaller ones in batches (``small_writes``)."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
 MAX_PLANS = 256  # distinct (format, shape) dataset plans a writer keeps (see HDF5Writer._plan)
 CONFIRM_MISSES = 8  # datasets whose headers a reader confirms through libhdf5 in vain at open
@@ -166,8 +162,8 @@ class HDF5TensorWriter(TensorWriter):
         small: SmallChunkWrites | None = None,
     ):
         self._dset = dset
-        # where chunks under BEHIND_CHUNK_BYTES are queued when this dataset's chunks are
-        # written at their offsets (``fd``): the save's workers write them in batches
+        # where small chunks are queued when this dataset's chunks are written at their
+        # offsets (``fd``): the save's workers write them in batches
         self._small = small if fd is not None else None
         # the file's descriptor when every chunk of this dataset was allocated at its creation
         # and is unfiltered: chunks may then be written there by the save's workers
@@ -319,9 +315,8 @@ class HDF5TensorWriter(TensorWriter):
         :meth:`_write_chunk` pads it) written at ``offset``; its CRC-32C, recorded in the
         table. The CRC is computed first: the bytes are then written from the cache."""
         crc = crc32c_of(data)
-        pad = self._chunk_nbytes - data.size
         assert self._fd is not None
-        pwrite_all(self._fd, [data, np.zeros(pad, np.uint8)] if pad else [data], offset)
+        write_padded(self._fd, offset, data, self._chunk_nbytes - data.size)
         self._crcs[number] = crc
         return crc
 
@@ -422,7 +417,9 @@ class HDF5Writer(StoreWriter):
         nfilters = dcpl.get_nfilters()
         fletcher32 = nfilters == 1 and dcpl.get_filter(0)[0] == h5z.FILTER_FLETCHER32
         behind = self._fd is not None and nfilters == 0
-        if behind:  # chunk space allocated by H5Dcreate: workers write the chunks there
+        # chunk space allocated by H5Dcreate: the save's workers write the chunks there (see
+        # HDF5TensorWriter.write_later; small ones in batches, write_small_later)
+        if behind:
             dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
