@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from ..errors import CheckpointError, SaveIOError
-from . import fs_sync
+from . import fs_sync, old_files
 from .target import FileKind, check_file_kind, check_replaceable
 
 STORAGE_OPTIONS = {"auto_mkdir": True}  # fsspec options for file:// and local:// URLs
@@ -230,7 +230,13 @@ def _publish(tmp: Path, target: Path, check: Any) -> None:
         _fsync_dir(target.parent)
         shutil.rmtree(old, ignore_errors=True)
         return
-    os.replace(tmp, target)
+    held = old_files.hold(target)  # its blocks freed by a background thread, not here
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        old_files.release_now(held)
+        raise
+    old_files.release_later(held)
     _fsync_dir(target.parent)
 
 

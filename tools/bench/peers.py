@@ -18,6 +18,12 @@ gives medians in seconds and ratios *peer time / lean_store HDF5 time* (> 1: lea
 faster); the fitted per-tensor cost is the least-squares slope of time
 against tensor count over the workloads run (with a per-byte term when there are three or more).
 
+``--overwrite``: every round of a peer saves over the checkpoint its previous round wrote
+(the path a job rewrites as its "latest" checkpoint), so that each save also replaces a file
+or tree of the same size: safetensors and torch.save truncate the old file when they open it,
+lean_store renames its new file or tree over the old one (docs/PERFORMANCE.md, "Saves over an
+existing checkpoint"); without it every save goes to a new directory.
+
 The rounds above run in one process after a warm-up, as a process that loads again and again
 does. ``--first-load`` also times each peer's first load in a new process (its libraries
 imported first, not timed), as a job that resumes once does: one subprocess per peer and
@@ -143,7 +149,7 @@ def _dcp() -> Method:
 
 def _numpy() -> Method:
     def save(state: dict[str, Any], d: Path) -> None:
-        (d / "np").mkdir()
+        (d / "np").mkdir(exist_ok=True)  # --overwrite: the same files written again
         for i, v in enumerate(state.values()):
             np.save(d / "np" / f"{i}.npy", v)
 
@@ -166,8 +172,10 @@ BASELINE = "lean_store hdf5"
 
 
 def measure(states: dict[str, dict[str, np.ndarray]], peers: list[str], repeat: int,
-            root: Path) -> dict[tuple[str, str], tuple[float, float]]:
-    """(workload, peer) -> (median save s, median load s); rounds interleave the peers."""
+            root: Path, overwrite: bool = False) -> dict[tuple[str, str], tuple[float, float]]:
+    """(workload, peer) -> (median save s, median load s); rounds interleave the peers.
+    ``overwrite``: each peer saves over its previous round's checkpoint (the "latest" file
+    a training job rewrites), not into a new directory."""
     methods: dict[str, Method] = {}
     for name in peers:
         try:
@@ -177,22 +185,40 @@ def measure(states: dict[str, dict[str, np.ndarray]], peers: list[str], repeat: 
     out: dict[tuple[str, str], tuple[float, float]] = {}
     for wname, state in states.items():
         times: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in methods}
-        for _ in range(repeat):
+        kept = {n: Path(tempfile.mkdtemp(dir=root, prefix="peers-")) for n in methods}
+        for r in range(repeat + (1 if overwrite else 0)):  # overwrite: round 0 makes the file
             for name, (save, load) in methods.items():
-                d = Path(tempfile.mkdtemp(dir=root, prefix="peers-"))
+                d = kept[name] if overwrite else Path(tempfile.mkdtemp(dir=root, prefix="peers-"))
                 try:
                     t0 = time.perf_counter()
                     save(state, d)
                     t1 = time.perf_counter()
-                    load(d, state)
+                    _settle(name)
                     t2 = time.perf_counter()
+                    load(d, state)
+                    t3 = time.perf_counter()
                 finally:
-                    shutil.rmtree(d, ignore_errors=True)
+                    if not overwrite:
+                        shutil.rmtree(d, ignore_errors=True)
+                if overwrite and r == 0:
+                    continue
                 times[name][0].append(t1 - t0)
-                times[name][1].append(t2 - t1)
+                times[name][1].append(t3 - t2)
+        for d in kept.values():
+            shutil.rmtree(d, ignore_errors=True)
         for name, (s, lo) in times.items():
             out[wname, name] = (statistics.median(s), statistics.median(lo))
     return out
+
+
+def _settle(peer: str) -> None:
+    """Untimed, after a save: lean_store frees the blocks of a file it replaced on a
+    background thread after its save returned (lean_store.stores.old_files); that work is
+    waited for here so that it is not charged to the peer timed next."""
+    if peer.startswith("lean_store"):
+        from lean_store.stores import old_files
+
+        old_files.wait_released()
 
 
 def first_loads(states: dict[str, dict[str, np.ndarray]], peers: list[str], root: Path,
@@ -303,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time each peer's first load in a new process")
     parser.add_argument("--time-first-load", nargs=3, metavar=("PEER", "DIR", "WORKLOAD"),
                         help=argparse.SUPPRESS)  # the subprocess of --first-load
+    parser.add_argument("--overwrite", action="store_true",
+                        help="each peer saves over its previous checkpoint (a 'latest' file)")
     parser.add_argument("--malloc-as-is", action="store_true",
                         help="keep glibc's dynamic mmap threshold (see FIXED_MALLOC)")
     args = parser.parse_args(argv)
@@ -323,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if states:
         root = Path(tempfile.mkdtemp(dir=args.dir, prefix="lean_store-peers-"))
         try:
-            results = measure(states, args.peer or list(PEERS), repeat, root)
+            results = measure(states, args.peer or list(PEERS), repeat, root, args.overwrite)
             first = first_loads(states, args.peer or list(PEERS), root, args.quick) if (
                 args.first_load) else {}
         finally:
