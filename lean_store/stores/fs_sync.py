@@ -80,17 +80,42 @@ def _libc_statfs() -> Any:
 _STATFS = _libc_statfs()
 
 
+_LOCAL_FILE_SYSTEMS = _MEMORY_FILE_SYSTEMS | {
+    0xEF53,  # ext2, ext3, ext4
+    0x58465342,  # xfs
+    0x9123683E,  # btrfs
+    0xF2F52010,  # f2fs
+    0x2FC12FC1,  # zfs
+    0xCA451A4E,  # bcachefs
+    0x794C7630,  # overlayfs (containers)
+}
+"""Local file systems, where a file opened and then unlinked or renamed over keeps no name
+(network file systems rename it to a visible ``.nfs*`` file, FUSE ones to ``.fuse_hidden*``)."""
+
+
+def _file_system_type(path: Path) -> int | None:
+    """``statfs``'s ``f_type`` of the file system ``path`` lies on; None where unknown."""
+    if _STATFS is None:
+        return None
+    buf = ctypes.create_string_buffer(_STATFS_BYTES)
+    if _STATFS(os.fsencode(path), buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value
+
+
 def in_memory(path: Path) -> bool:
     """True when ``path`` lies on a file system kept only in memory (tmpfs, ramfs: e.g.
     /dev/shm), where ``fsync`` and ``syncfs`` do nothing: there is no storage to make a
     write durable on, and a process crash loses nothing that was written. False where it
     cannot be told."""
-    if _STATFS is None:
-        return False
-    buf = ctypes.create_string_buffer(_STATFS_BYTES)
-    if _STATFS(os.fsencode(path), buf) != 0:
-        return False
-    return ctypes.c_long.from_buffer(buf).value in _MEMORY_FILE_SYSTEMS
+    return _file_system_type(path) in _MEMORY_FILE_SYSTEMS
+
+
+def open_files_stay_nameless(path: Path) -> bool:
+    """True when ``path`` lies on a local file system (:data:`_LOCAL_FILE_SYSTEMS`), where a
+    file kept open after its last name is gone has no name at all; False where it cannot be
+    told."""
+    return _file_system_type(path) in _LOCAL_FILE_SYSTEMS
 
 
 

@@ -7,11 +7,13 @@ done. Held open across the rename (:func:`hold`), the old file keeps its blocks 
 descriptor is closed; :func:`release_later` closes it on a background thread, where the
 freeing overlaps whatever the caller does next.
 
-Nothing of the old file stays visible: it has no name after the rename, and a process that
-dies with the descriptor open has it closed by the kernel. At most :data:`MAX_HELD` old files
-are held at once (a save waits for the oldest beyond that), so saves that come faster than
-the freeing cannot keep many old checkpoints' space; the interpreter's exit waits for the
-closes still queued (``concurrent.futures`` joins its threads).
+Nothing of the old file stays visible: on a local file system it has no name after the rename
+(elsewhere, NFS for one, it is not held: the client would show it as ``.nfs*`` until closed),
+and a process that dies with the descriptor open has it closed by the kernel. At most
+:data:`MAX_HELD` old files are held at once (a save waits for the oldest beyond that), so
+saves that come faster than the freeing cannot keep many old checkpoints' space; the
+interpreter's exit waits for the closes still queued (``concurrent.futures`` joins its
+threads).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from ..shared_threads import SharedThreads
+from . import fs_sync
 
 MAX_HELD = 2
 """Old files held open, waiting to be released, at most."""
@@ -39,9 +42,11 @@ _FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0
 
 def hold(target: Path) -> int | None:
     """A descriptor of the regular file at ``target`` (not followed through a link), which
-    keeps its blocks past a rename over it; None where there is none or this is not POSIX
-    (Windows cannot rename over an open file)."""
-    if os.name != "posix":
+    keeps its blocks past a rename over it; None where there is none, or where the file
+    system is not one known to keep such a file nameless
+    (:func:`~lean_store.stores.fs_sync.open_files_stay_nameless`: an NFS client would show
+    it as ``.nfs*`` until it is closed; Windows cannot rename over an open file)."""
+    if os.name != "posix" or not fs_sync.open_files_stay_nameless(target.parent):
         return None
     try:
         fd = os.open(target, _FLAGS)

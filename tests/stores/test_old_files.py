@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import lean_store as ls
-from lean_store.stores import commit, old_files
+from lean_store.stores import commit, fs_sync, old_files
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(),
                                 reason="needs /proc/self/fd (Linux)")
@@ -98,6 +98,28 @@ def test_a_failed_rename_closes_the_held_file_at_once(tmp_path, monkeypatch):
     assert path.stat().st_ino == inode  # the old checkpoint is still the one there
     assert np.array_equal(ls.load_state(path)["w0"], _state(0)["w0"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.h5"]
+
+
+def test_local_file_systems_are_told_apart_from_network_ones(tmp_path, monkeypatch):
+    """Only where an open file left without a name stays nameless is the old file held: an
+    NFS client (or a FUSE one) would show it as a ``.nfs*`` (``.fuse_hidden*``) file until
+    it is closed. The save still replaces the file there, freeing it in the rename."""
+    if fs_sync._STATFS is None:  # not Linux x86_64/aarch64: nothing is held anywhere
+        assert not fs_sync.open_files_stay_nameless(tmp_path)
+        return
+    assert fs_sync.open_files_stay_nameless(tmp_path)  # ext4, tmpfs, xfs, btrfs, overlayfs
+    if Path("/dev/shm").is_dir():
+        assert fs_sync.open_files_stay_nameless(Path("/dev/shm"))
+    path = tmp_path / "ck.h5"
+    ls.save(_state(0), path)
+    inode = path.stat().st_ino
+    for magic in (0x6969, 0x65735546, 0xFF534D42):  # NFS, FUSE, CIFS
+        monkeypatch.setattr(fs_sync, "_file_system_type", lambda p, m=magic: m)
+        assert not fs_sync.open_files_stay_nameless(tmp_path)
+        assert old_files.hold(path) is None
+    ls.save(_state(1), path)
+    assert _fds_on(inode) == []  # not held: freed by the rename itself
+    assert np.array_equal(ls.load_state(path)["w1"], _state(1)["w1"])
 
 
 def test_only_regular_files_are_held_and_links_are_not_followed(tmp_path):
