@@ -71,7 +71,7 @@ def release_later(fd: int | None) -> None:
         return
     with _LOCK:
         while len(_PENDING) >= MAX_HELD:
-            _PENDING.popleft().result()
+            _PENDING.popleft().exception()  # waits; an old file's close error is no save's
         try:
             _PENDING.append(_RELEASER.get().submit(_close, fd))
             return
@@ -87,18 +87,21 @@ def release_now(fd: int | None) -> None:
 
 
 def _close(fd: int) -> None:
+    with _HELD_LOCK:
+        identity = _HELD.get(fd)
     try:
         os.close(fd)
-    finally:  # forgotten only once closed (a child forked in between checks it, _forget)
-        with _HELD_LOCK:
-            _HELD.pop(fd, None)
+    finally:  # forgotten only once closed (a child forked in between checks it, _forget),
+        with _HELD_LOCK:  # and only if the number was not held again since
+            if _HELD.get(fd) == identity:
+                _HELD.pop(fd, None)
 
 
 def wait_released() -> None:
     """Wait until every old file queued by :func:`release_later` is closed."""
     with _LOCK:
         while _PENDING:
-            _PENDING.popleft().result()
+            _PENDING.popleft().exception()  # waits (a close that failed has nothing to redo)
 
 
 def _forget() -> None:

@@ -173,6 +173,26 @@ def test_at_most_max_held_wait_to_be_released(tmp_path, monkeypatch):
             os.fstat(fd)
 
 
+def test_a_failed_close_of_an_old_file_fails_no_save(tmp_path, monkeypatch):
+    """The old file's close is no part of any save: an error from it (EIO from a failing
+    disk) neither fails the save that queued it nor a later one that waits for it."""
+    real_close = old_files._close
+    closed = []
+
+    def failing_close(fd: int) -> None:
+        real_close(fd)
+        closed.append(fd)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(old_files, "_close", failing_close)
+    path = tmp_path / "ck.h5"
+    for i in range(old_files.MAX_HELD + 3):  # later saves wait for the failed closes
+        ls.save(_state(i), path)
+    old_files.wait_released()
+    assert len(closed) == old_files.MAX_HELD + 2
+    assert np.array_equal(ls.load_state(path)["w2"], _state(old_files.MAX_HELD + 2)["w2"])
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_does_not_keep_a_held_file(tmp_path, monkeypatch):
     """A child forked while an old file waits for its release closes its own copy of the
