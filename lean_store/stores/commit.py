@@ -122,6 +122,9 @@ class LocalCommit(Commit):
         if not path.parent.is_dir():
             raise CheckpointError(f"cannot save to {path}: directory {path.parent} does not exist")
         self._check()  # before any byte is written; again just before the rename
+        # an old file an earlier save replaced, still being freed in the background, is
+        # freed before this save writes: a save never needs more room than it did before
+        old_files.wait_released()
         self.work_path = path.with_name(f".{path.name}.lean_store-tmp-{uuid.uuid4().hex}")
         self.work = str(self.work_path)
         self._aborted = False

@@ -9,7 +9,10 @@ freeing overlaps whatever the caller does next.
 
 Nothing of the old file stays visible: on a local file system it has no name after the rename
 (elsewhere, NFS for one, it is not held: the client would show it as ``.nfs*`` until closed),
-and a process that dies with the descriptor open has it closed by the kernel. At most
+and a process that dies with the descriptor open has it closed by the kernel. A local save
+waits for the old files still held before it writes anything
+(:class:`~lean_store.stores.commit.LocalCommit`), so that it never needs more room than
+when the rename freed them; the freeing overlaps what the caller does between saves. At most
 :data:`MAX_HELD` old files are held at once (a save waits for the oldest beyond that), so
 saves that come faster than the freeing cannot keep many old checkpoints' space; the
 interpreter's exit waits for the closes still queued (``concurrent.futures`` joins its

@@ -173,6 +173,40 @@ def test_at_most_max_held_wait_to_be_released(tmp_path, monkeypatch):
             os.fstat(fd)
 
 
+def test_a_save_frees_the_old_files_still_held_before_it_writes(tmp_path, monkeypatch):
+    """A save starts only once the file an earlier save replaced is closed: on a nearly full
+    disk it never needs more room than when the rename freed the old file at once."""
+    gate = threading.Event()
+    real_close = old_files._close
+
+    def slow_close(fd: int) -> None:
+        gate.wait(30)
+        real_close(fd)
+
+    path, other = tmp_path / "ck.h5", tmp_path / "other.h5"
+    ls.save(_state(0), path)
+    monkeypatch.setattr(old_files, "_close", slow_close)
+    ls.save(_state(1), path)  # returns at once: the old file's close waits on the gate
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def next_save() -> None:
+        try:
+            ls.save(_state(2), other)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        done.set()
+
+    t = threading.Thread(target=next_save)
+    t.start()
+    assert not done.wait(0.5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck.h5"]  # nothing written yet
+    gate.set()
+    t.join(60)
+    assert done.is_set() and errors == []
+    assert np.array_equal(ls.load_state(other)["w0"], _state(2)["w0"])
+
+
 def test_a_failed_close_of_an_old_file_fails_no_save(tmp_path, monkeypatch):
     """The old file's close is no part of any save: an error from it (EIO from a failing
     disk) neither fails the save that queued it nor a later one that waits for it."""
