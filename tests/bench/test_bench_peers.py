@@ -32,6 +32,20 @@ def test_quick_run_prints_every_peer(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # every file removed
 
 
+def test_overwrite_run_saves_over_each_peers_previous_checkpoint(tmp_path: Path) -> None:
+    """--overwrite: every peer saves over its previous round's checkpoint (one warm-up round
+    makes it), and every file is removed after."""
+    pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    done = run_tool("bench/peers.py", "--quick", "--overwrite", "--repeat", "2", "--workload",
+                    "tiny", "--peer", "lean_store hdf5", "--peer", "lean_store zarr",
+                    "--peer", "safetensors", "--dir", tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr
+    for peer in ("lean_store hdf5", "lean_store zarr", "safetensors"):
+        assert f"| tiny | 100 | 0.0 | {peer} |" in done.stdout, done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_per_tensor_cost_recovers_a_known_slope() -> None:
     # the script loaded from its file (not from sys.path): its fit, without running it
     spec = importlib.util.spec_from_file_location("tools_bench_peers", SCRIPT)
