@@ -97,3 +97,27 @@ def test_a_contiguous_dataset_is_not_described_from_the_manifest(tmp_path: Path)
         assert f["v"].id.get_create_plist().get_layout() == h5d.CONTIGUOUS
     with pytest.raises(ls.CheckpointError):
         ls.load_state(path)
+
+
+def test_chunk_location_is_the_same_through_libhdf5_and_through_h5py(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The chunk lookup the writer and the reader share answers alike with the bound
+    libhdf5 and through h5py's API (where the library cannot be bound): allocated chunks,
+    an unallocated one, and a filtered one."""
+    from lean_store.stores.hdf5 import libhdf5
+
+    path = tmp_path / "raw.h5"
+    with h5py.File(path, "w") as f:
+        plain = f.create_dataset("plain", shape=(8, 4), dtype="f4", chunks=(2, 4))
+        plain[:4] = 1.0  # chunks 0 and 1 written, 2 and 3 not
+        f.create_dataset("packed", data=np.zeros((8, 4), "f4"), chunks=(4, 4),
+                         compression="gzip")
+        starts = {"plain": [(0, 0), (2, 0), (4, 0), (6, 0)], "packed": [(0, 0), (4, 0)]}
+        fast = {n: [libhdf5.chunk_location(f[n].id, s) for s in ss] for n, ss in starts.items()}
+        monkeypatch.setattr(libhdf5, "library", lambda: None)
+        slow = {n: [libhdf5.chunk_location(f[n].id, s) for s in ss] for n, ss in starts.items()}
+    assert slow == fast
+    assert [loc[1] is None for loc in slow["plain"]] == [False, False, True, True]
+    assert all(loc[0] == 0 and loc[2] == 32 for loc in slow["plain"][:2])
+    assert all(loc[1] is not None and loc[2] < 64 for loc in slow["packed"])

@@ -369,3 +369,19 @@ def chunk_lock() -> Any:
     if not _CHUNK_LOCK:
         _CHUNK_LOCK.append(_h5py_lock() or contextlib.nullcontext())
     return _CHUNK_LOCK[0]
+
+
+def chunk_location(dsid: Any, start: tuple[int, ...]) -> tuple[int, int | None, int] | None:
+    """(filter mask, file address or None when unallocated, stored size) of the chunk of the
+    h5py dataset id ``dsid`` that starts at element ``start``: through :func:`library` where
+    it answers, else through h5py's ``get_chunk_info_by_coord``; None where h5py fails."""
+    lib = library()
+    found = None if lib is None else lib.chunk_info(dsid.id, start)
+    if found is not None:
+        return found
+    try:
+        with chunk_lock():
+            info = dsid.get_chunk_info_by_coord(start)
+    except (OSError, RuntimeError, ValueError, KeyError):
+        return None
+    return info.filter_mask, info.byte_offset, info.size

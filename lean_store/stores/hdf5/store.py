@@ -73,7 +73,7 @@ from .header_attrs import (
     known_messages,
     learn_header,
 )
-from .libhdf5 import chunk_lock, library
+from .libhdf5 import chunk_location, chunk_lock, library
 from .manifest import (
     MANIFEST_ATTR,
     ManifestBuilder,
@@ -271,22 +271,11 @@ class HDF5TensorWriter(TensorWriter):
     def _chunk_at(self, start: tuple[int, ...]) -> int | None:
         """The file offset of the allocated, unfiltered, full-size chunk at ``start``; None
         where it has none (the chunk is then written through HDF5)."""
-        lib = library()
-        if lib is not None:
-            info = lib.chunk_info(self._dset.id, start)
-            if info is None:
-                return None
-            mask, offset, size = info
-        else:
-            try:
-                with chunk_lock():
-                    got = self._dset.get_chunk_info_by_coord(start)
-            except (OSError, RuntimeError, ValueError, KeyError):
-                return None
-            if got.byte_offset is None:
-                return None
-            mask, offset, size = got.filter_mask, got.byte_offset, got.size
-        if size != self._chunk_nbytes or mask:
+        found = chunk_location(self._dset, start)
+        if found is None:
+            return None
+        mask, offset, size = found
+        if offset is None or size != self._chunk_nbytes or mask:
             return None
         return int(offset)
 
@@ -1170,17 +1159,10 @@ class HDF5Reader(StoreReader):
         ):
             return None
         start = tuple(i * c for i, c in zip(coords, chunks))
-        lib = library()
-        found = None if lib is None else lib.chunk_info(ds.id, start)
-        if found is not None:
-            mask, offset, size = found
-        else:  # through h5py (which raises its error where libhdf5 fails)
-            try:
-                with chunk_lock():
-                    info = ds.get_chunk_info_by_coord(start)
-            except (OSError, RuntimeError, ValueError, KeyError):
-                return None
-            mask, offset, size = info.filter_mask, info.byte_offset, info.size
+        found = chunk_location(ds, start)
+        if found is None:
+            return None
+        mask, offset, size = found
         full = math.prod(chunks) * (ds.get_type().get_size() if geometry is None
                                     else geometry[2])
         if offset is None or mask != 0 or size != full or out.nbytes > size:
