@@ -117,7 +117,10 @@ def test_chunk_location_is_the_same_through_libhdf5_and_through_h5py(
         fast = {n: [libhdf5.chunk_location(f[n].id, s) for s in ss] for n, ss in starts.items()}
         monkeypatch.setattr(libhdf5, "library", lambda: None)
         slow = {n: [libhdf5.chunk_location(f[n].id, s) for s in ss] for n, ss in starts.items()}
-    assert slow == fast
+    # an unallocated chunk has no address; its mask is whatever the call left there (some
+    # h5py releases leave it uninitialised): only the address is compared
     assert [loc[1] is None for loc in slow["plain"]] == [False, False, True, True]
+    assert [loc[1] is None for loc in fast["plain"]] == [False, False, True, True]
+    assert slow["plain"][:2] == fast["plain"][:2] and slow["packed"] == fast["packed"]
     assert all(loc[0] == 0 and loc[2] == 32 for loc in slow["plain"][:2])
     assert all(loc[1] is not None and loc[2] < 64 for loc in slow["packed"])
