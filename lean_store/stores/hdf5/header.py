@@ -173,7 +173,7 @@ def _messages(block: bytes, pos: int, end: int, order: int,
                 return None
             found[name] = (mflags, block[body_at:data_at], block[data_at:pos])
         elif kind == _ATTRIBUTE_INFO:
-            if not _compact_only(block[body_at:pos]):
+            if not compact_only(block[body_at:pos]):
                 return None  # dense attribute storage: not read here
         elif kind == _CONTINUATION:
             if size < _CONT.size:
@@ -184,7 +184,7 @@ def _messages(block: bytes, pos: int, end: int, order: int,
     return more
 
 
-def _compact_only(body: bytes) -> bool:
+def compact_only(body: bytes) -> bool:
     """An attribute info message (version 0) that points to no dense storage: the object's
     attributes are then exactly its attribute messages."""
     at = 4 if len(body) > 1 and body[1] & 0x01 else 2  # after the max. creation index

@@ -67,17 +67,22 @@ class HeaderAttributes:
         see :func:`known_messages`); None where it is not one or headers cannot be read
         here."""
         fd = self._fd
-        if fd is None:
+        if fd is None or not self.addresses_are_positions():
             return None
         try:
-            if self._plain is None:
-                self._plain = plain_superblock(os.pread(fd, 48, 0))
-            if not self._plain:
-                return None
             return single_chunk(lambda n, at: os.pread(fd, n, at), address, self._file_size,
                                 known)
         except OSError:
             return None
+
+    def addresses_are_positions(self) -> bool:
+        """The superblock puts its base at 0: libhdf5's addresses are file positions."""
+        if self._plain is None:
+            try:
+                self._plain = self._fd is not None and plain_superblock(os.pread(self._fd, 48, 0))
+            except OSError:
+                self._plain = False
+        return self._plain
 
     def _headers_readable(self, dsid: h5d.DatasetID) -> bool:
         """The superblock puts its base at 0 (addresses are file positions), and the libhdf5

@@ -112,12 +112,12 @@ def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: in
         bodies[kind] = (flags, body)
     if _DATASPACE not in bodies or _DATATYPE not in bodies or _LAYOUT not in bodies:
         return None
-    shape = _dataspace(bodies[_DATASPACE][1])
+    shape = dataspace_dims(bodies[_DATASPACE][1])
     datatype = bodies[_DATATYPE]
     if shape is None or len(datatype[1]) < 8:
         return None
     itemsize = int.from_bytes(datatype[1][4:8], "little")
-    layout = _layout(bodies[_LAYOUT][1], len(shape), itemsize)
+    layout = chunked_layout(bodies[_LAYOUT][1], len(shape), itemsize)
     if layout is None or itemsize < 1:
         return None
     index, chunks = layout
@@ -135,7 +135,7 @@ def single_chunk(pread: Callable[[int, int], bytes], address: int, file_size: in
             return None
         sizes = (HEADER, frame_size_limit(size)) if not blosc else (
             HEADER + _FLETCHER32_SIZE, frame_size_limit(size) + _FLETCHER32_SIZE)
-    found = _only_chunk(cached, index, len(shape) + 1, sizes, file_size)
+    found = only_chunk(cached, index, len(shape) + 1, sizes, file_size)
     if found is None:
         return None
     offset, stored = found
@@ -173,7 +173,7 @@ def _unpacker(code: str, count: int) -> Callable[..., tuple[int, ...]]:
     return found
 
 
-def _dataspace(body: bytes) -> tuple[int, ...] | None:
+def dataspace_dims(body: bytes) -> tuple[int, ...] | None:
     """The dimensions of a version 2 simple dataspace whose maximum (if given) is its size."""
     if len(body) < 4 or body[0] != 2 or body[3] != 1 or body[2] & ~0x01:
         return None
@@ -188,7 +188,8 @@ def _dataspace(body: bytes) -> tuple[int, ...] | None:
     return dims
 
 
-def _layout(body: bytes, rank: int, itemsize: int) -> tuple[int, tuple[int, ...]] | None:
+def chunked_layout(body: bytes, rank: int, itemsize: int
+                   ) -> tuple[int, tuple[int, ...]] | None:
     """(address of the v1 B-tree, chunk shape) of a version 3 chunked layout message of a
     dataset of ``rank`` whose last chunk dimension is the item size."""
     ndims = rank + 1
@@ -201,13 +202,20 @@ def _layout(body: bytes, rank: int, itemsize: int) -> tuple[int, tuple[int, ...]
     return index, tuple(dims[:-1])
 
 
-def _only_chunk(pread: Callable[[int, int], bytes], index: int, ndims: int,
+def index_node_size(ndims: int) -> int:
+    """The bytes :func:`only_chunk` reads of a one-chunk v1 B-tree leaf of ``ndims`` key
+    dimensions: its head, the first key (size, filter mask, offsets) and the chunk's
+    address."""
+    return _BTREE_HEAD.size + _KEY_HEAD.size + 8 * ndims + 8
+
+
+def only_chunk(pread: Callable[[int, int], bytes], index: int, ndims: int,
                 sizes: tuple[int, int], file_size: int) -> tuple[int, int] | None:
     """(file position, stored bytes) of the one chunk a v1 B-tree at ``index`` holds: a leaf
     with one entry, no siblings, keyed at offset 0, no filter skipped (mask 0), of ``sizes``
     (least, most) bytes inside the file."""
     at = _BTREE_HEAD.size + _KEY_HEAD.size  # the key's offsets, after its size and mask
-    need = at + 8 * ndims + 8
+    need = index_node_size(ndims)
     if index == _UNDEFINED or index + need > file_size:
         return None
     node = pread(need, index)
