@@ -12,6 +12,9 @@ from ...chunking import chunk_count
 from ...errors import IntegrityError, UnsafeFileError
 from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_chunk_shape
 from .crc_table import CHUNK_CRC_ATTR
+from .header_digests import DIGESTS_ATTR
+
+_ARRAY_ATTRS = frozenset({CHUNK_CRC_ATTR, DIGESTS_ATTR})  # read as arrays, not tuples
 
 
 def hdf5_superblock_offset(path: str | os.PathLike) -> int | None:
@@ -63,8 +66,8 @@ def read_hdf5_attrs(obj: Any, where: str) -> dict[str, Any]:
         if count * max(1, dtype.itemsize) > MAX_ATTR_BYTES or (is_str and count > 1):
             raise UnsafeFileError(f"{where}: attribute {name!r} claims {count} values; too large")
         try:
-            raw = obj.attrs[name]  # the per-chunk crc table stays an array (not a tuple)
-            value = raw if name == CHUNK_CRC_ATTR and isinstance(raw, np.ndarray) else (
+            raw = obj.attrs[name]  # tables of numbers stay arrays (not tuples)
+            value = raw if name in _ARRAY_ATTRS and isinstance(raw, np.ndarray) else (
                 from_hdf5_attr(raw)
             )
         except (OSError, RuntimeError, ValueError, TypeError, KeyError, UnicodeError) as exc:

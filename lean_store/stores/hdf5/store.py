@@ -65,6 +65,7 @@ from .checks import check_hdf5_present, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
 from .files import close_written, open_file, open_for_writing
+from .header import plain_superblock
 from .header_attrs import (
     ExpectedAttr,
     HeaderAttributes,
@@ -73,6 +74,9 @@ from .header_attrs import (
     known_messages,
     learn_header,
 )
+from .header_digests import DIGESTS_ATTR, MAX_COMPACT_ATTRS, SingleChunkDatasets, digest_table
+from .header_digests import matched as header_matched
+from .header_digests import parse_table as parse_digests
 from .libhdf5 import chunk_location, chunk_lock, library
 from .manifest import (
     MANIFEST_ATTR,
@@ -87,7 +91,7 @@ from .verify import structure_problems
 
 _FLETCHER32 = Fletcher32()  # HDF5's fletcher32, appended after the chunk as HDF5 stores it
 DEFLATE_THREADS = 2  # shuffle + deflate workers of a compressed HDF5 save
-ATTR_PHASE_CHANGE = (32, 24)
+ATTR_PHASE_CHANGE = (MAX_COMPACT_ATTRS, 24)
 """(max compact, min dense) attributes of a dataset: HDF5's default (8, 6) moves the dozen
 attributes of every lean_store dataset to dense storage (a fractal heap and B-tree each); kept
 compact in the object header they cost less to write and read (docs/FORMAT.md 2.5)."""
@@ -160,8 +164,10 @@ class HDF5TensorWriter(TensorWriter):
         stored: tuple[int, ...] | None = None, fd: int | None = None,
         sizes: tuple[int, int, tuple[int, ...]] | None = None,
         small: SmallChunkWrites | None = None,
+        single: tuple[SingleChunkDatasets, int] | None = None,
     ):
         self._dset = dset
+        self._single = single  # its place in HDF5Writer._single_chunk: attributes counted
         # where small chunks are queued when this dataset's chunks are written at their
         # offsets (``fd``): the save's workers write them in batches
         self._small = small if fd is not None else None
@@ -312,8 +318,11 @@ class HDF5TensorWriter(TensorWriter):
     def close(self, attrs: dict[str, Any]) -> None:
         # chunks still compressing on the writer's queue are written later (by the next
         # tensors' writes, at the latest when the file is finished); their CRCs are known
-        write_attrs(self._dset, {**(self._attrs or {}), **attrs, CHUNK_CRC_ATTR: self._crcs},
-                    replace=self._attrs is None)
+        written = {**(self._attrs or {}), **attrs, CHUNK_CRC_ATTR: self._crcs}
+        write_attrs(self._dset, written, replace=self._attrs is None)
+        if self._single is not None and self._attrs is not None:
+            datasets, number = self._single  # (attributes replaced: not counted, no digest)
+            datasets.attributes[number] = min(len(written), MAX_COMPACT_ATTRS + 1)
         if self._record is not None:
             self._record["attrs"].update(attrs)
             self._record["table"] = self._crcs
@@ -349,6 +358,10 @@ class HDF5Writer(StoreWriter):
         # shuffle + deflate or Blosc workers, when used: one queue for the whole file
         self._queue: OrderedPool | None = None
         self._records = ManifestBuilder()  # the manifest, one record per dataset
+        # per record, in order, for the save's header digests (:mod:`.header_digests`): the
+        # object header's address of a dataset of one unfiltered chunk (0: any other), its
+        # plan's (stored shape, chunks, item size) and its attributes (counted when closed)
+        self._single_chunk = SingleChunkDatasets()
         self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _plan
         _ONE_SAVE_AT_A_TIME.acquire()  # released when the file is closed (finish or abort)
         self._holds_lock = True
@@ -367,7 +380,7 @@ class HDF5Writer(StoreWriter):
 
     def add_tensor(self, entry: Entry, attrs: dict[str, Any]) -> TensorWriter:
         stored = entry.shape or (1,)
-        ftype, chunks, dcpl, space, direct, fletcher32, behind, sizes = self._plan(
+        ftype, chunks, dcpl, space, direct, fletcher32, behind, sizes, plan_key = self._plan(
             entry.format, stored)
         node = node_name(entry.name)
         dset = h5d.create(self._file.id, node.encode(), ftype, space, dcpl=dcpl)
@@ -375,14 +388,21 @@ class HDF5Writer(StoreWriter):
         deflate = None if direct else self._deflate_chunks(dcpl, dset, ftype.get_size())
         record = {"node": node, "attrs": dict(attrs), "stored_shape": stored, "chunks": chunks}
         self._records.add(record)
+        itemsize, _, grid = sizes
+        single = None
+        if behind and math.prod(grid) == 1 and math.prod(stored) > 0:
+            single = self._single_chunk.add(dset, plan_key)
+        else:
+            self._single_chunk.add(None, None)
         return HDF5TensorWriter(dset, entry, ftype, chunks, direct, fletcher32, deflate, record,
                                 attrs, stored, self._fd if behind else None, sizes,
-                                self._small)
+                                self._small, single)
 
     def _plan(self, fmt: ScalarFormat, stored: tuple[int, ...]) -> tuple[Any, ...]:
         """(file type, chunk shape, creation property list, dataspace, direct chunk writes,
-        fletcher32 alone, written behind, :func:`_sizes`) of a dataset of ``fmt`` and
-        ``stored`` shape: built once per distinct pair and reused (HDF5 copies what
+        fletcher32 alone, written behind, :func:`_sizes`, (stored shape, chunk shape, item
+        size) shared by its datasets' digest records) of a dataset of ``fmt`` and ``stored``
+        shape: built once per distinct pair and reused (HDF5 copies what
         ``h5d.create`` is given), so that a state of many like-shaped tensors pays for them
         once."""
         key = (fmt, stored)
@@ -414,7 +434,8 @@ class HDF5Writer(StoreWriter):
             self._plans.clear()
         plan = self._plans[key] = (ftype, chunks, dcpl, h5s.create_simple(stored),
                                    nfilters == 0 or fletcher32, fletcher32, behind,
-                                   _sizes(ftype, chunks, stored))
+                                   _sizes(ftype, chunks, stored),
+                                   (stored, chunks, ftype.get_size()))
         return plan
 
     def _deflate_chunks(self, dcpl: h5p.PropDCID, dset: h5d.DatasetID, itemsize: int
@@ -451,11 +472,32 @@ class HDF5Writer(StoreWriter):
         for key, value in root_attrs.items():
             attrs[key] = to_hdf5_attr(value)
         if self._records.complete():  # every tensor closed: the manifest
-            attrs[MANIFEST_ATTR] = joined_utf8_attr(self._records.take_pieces())
+            manifest = joined_utf8_attr(self._records.take_pieces())
+            digests = self._header_digests(manifest)
+            if digests is not None:
+                attrs[DIGESTS_ATTR] = digests
+            attrs[MANIFEST_ATTR] = manifest
         attrs["complete"] = np.int8(1)  # written last: a file without it is incomplete
         self._file.flush()
         close_written(self._file, self._writing)
         self._release()
+
+    def _header_digests(self, manifest: np.ndarray) -> np.ndarray | None:
+        """The digest table of the file's one-chunk datasets (:mod:`.header_digests`), read
+        back through HDF5's descriptor once libhdf5 has written every header; None when no
+        dataset is of that kind or addresses are not file positions."""
+        fd = self._fd
+        datasets, self._single_chunk = self._single_chunk, SingleChunkDatasets()
+        if fd is None or not any(datasets.addresses):
+            return None
+        self._file.flush()  # every object header and chunk index written to the file
+
+        def pread(size: int, offset: int) -> bytes:
+            return os.pread(fd, size, offset)
+
+        if not plain_superblock(pread(48, 0)):
+            return None
+        return digest_table(pread, os.fstat(fd).st_size, datasets, manifest)
 
     def _stop_pool(self, *, flush: bool) -> None:
         queue, self._queue = self._queue, None
@@ -512,11 +554,15 @@ class HDF5Reader(StoreReader):
             self.root_attrs = read_hdf5_attrs(self._file, str(source))
             # parsed on first use, after the header checks (parse_root) passed
             self._manifest_text = self.root_attrs.pop(MANIFEST_ATTR, None)
+            self._digest_table = self.root_attrs.pop(DIGESTS_ATTR, None)
             self._where = str(source)
         except BaseException:
             self._file.close()
             raise
         self._manifest_records: dict[str, TensorRecord] | None = None
+        # node -> its row of the save's header digests (:mod:`.header_digests`), when the
+        # table is bound to this manifest
+        self._digests: dict[str, list[int]] = {}
         self._datasets: dict[str, h5d.DatasetID] = {}
         self._listed: list[str] | None = None  # see nodes()
         self._hard_links: frozenset[str] = frozenset()  # every link nodes() listed: hard ones
@@ -550,8 +596,11 @@ class HDF5Reader(StoreReader):
     def _manifest(self) -> dict[str, TensorRecord] | None:
         """node -> record from the root ``manifest`` attribute; None in files without one."""
         if self._manifest_records is None and self._manifest_text is not None:
-            self._manifest_records = parse_manifest(self._manifest_text, self._where)
-            self._manifest_text = None
+            records = self._manifest_records = parse_manifest(self._manifest_text, self._where)
+            if self._digest_table is not None:
+                rows = parse_digests(self._digest_table, self._manifest_text, len(records))
+                self._digests = {} if rows is None else dict(zip(records, rows))
+            self._manifest_text = self._digest_table = None
         return self._manifest_records
 
     def nodes(self) -> list[str]:
@@ -635,7 +684,8 @@ class HDF5Reader(StoreReader):
     def _stored(self, node: str) -> StoredTensor:
         record = None if self._manifest is None else self._manifest.get(node)
         if record is not None:
-            found = self._stored_from_header(node, record)
+            found = self._stored_from_digest(node, record) or self._stored_from_header(
+                node, record)
             if found is None:
                 found = self._stored_from_manifest(node, record)
             if found is not None:
@@ -663,6 +713,41 @@ class HDF5Reader(StoreReader):
             itemsize=ftype.get_size(),
             nbytes_on_disk=ds.id.get_storage_size(),
             filters=filters,
+        )
+
+    def _stored_from_digest(self, node: str, record: TensorRecord) -> StoredTensor | None:
+        """A dataset of one unfiltered chunk whose object header and chunk index hold exactly
+        the bytes the save recorded for its record (:mod:`.header_digests`): it is the
+        dataset written for that record, attributes included, without parsing its header.
+        None: checked from its header or through libhdf5 as before."""
+        row = self._digests.get(node)
+        fd = self._fd
+        if row is None or fd is None or self._addresses.get(node) != row[0] or (
+            node in self._datasets or record.table.size != 1
+        ) or not self._headers.addresses_are_positions():
+            return None
+        try:
+            hit = header_matched(lambda n, at: os.pread(fd, n, at), self._file_size, row)
+        except OSError:
+            return None
+        if hit is None or len(hit[0][1]) < 8:
+            return None
+        datatype, offset = hit
+        itemsize = int.from_bytes(datatype[1][4:8], "little")
+        shape, chunks = record.stored_shape, record.chunks
+        size = math.prod(chunks) * itemsize
+        if offset + size > self._file_size:
+            return None
+        check_chunk_shape(node, chunks, shape, itemsize)
+        self._single[node] = (offset, size)
+        self._header_types[node] = datatype
+        self._tables[node] = record.table
+        self._geometry[node] = (shape, chunks, itemsize)
+        self._plain[node] = True
+        self._attrs_checked.add(node)
+        return StoredTensor(
+            node=node, attrs=dict(record.attrs), stored_shape=shape, chunk_shape=chunks,
+            storage="hdf5", itemsize=itemsize, nbytes_on_disk=size, filters=["crc32c"],
         )
 
     def _stored_from_header(self, node: str, record: TensorRecord) -> StoredTensor | None:
