@@ -184,7 +184,7 @@ def test_root_and_tensor_attributes_are_exactly_those_of_section_2(tmp_path):
         assert root["complete"].dtype == np.int8 and root["complete"] == 1
         assert len(root["save_id"]) == 32 and int(root["save_id"], 16) >= 0
         assert set(root) == {"lean_store", "format_version", "kind", "tensor_count", "layout",
-                             "writer", "save_id", "manifest", "complete"}
+                             "writer", "save_id", "manifest", "header_digests", "complete"}
         common = {"index", "name", "shape", "format", "width", "storage", "crc32c",
                   "chunk_crc32c"}
         binary_keys = {"exponent_bits", "fraction_bits", "bias", "encoding"}
@@ -206,6 +206,23 @@ def test_root_and_tensor_attributes_are_exactly_those_of_section_2(tmp_path):
     assert cb["attributes"]["storage"] == "raw" and cb["data_type"] == "uint16"
     s = json.loads((tmp_path / "r.zarr" / "s" / "zarr.json").read_text())
     assert s["dimension_names"] == ["s.scalar"] and s["attributes"]["storage"] == "native"
+
+
+def test_header_digests_are_what_section_2_5_2_says(tmp_path):
+    """Each row's ranges, chunk position and datatype message, and row 0's binding, read from
+    the file's bytes as the spec describes them."""
+    state, _ = sample_state()
+    many = {f"layer{i}.{k}": np.full(shape, i, np.float32)
+            for i in range(40) for k, shape in (("w", (6, 5)), ("b", (5,)))}
+    for name, saved in (("s.h5", state), ("m.h5", many)):
+        ls.save(saved, tmp_path / name)
+        covered = spec.check_header_digests(tmp_path / name)
+        with h5py.File(tmp_path / name) as f:  # one chunk, no filter (N-bit packing is one)
+            plain = sum(1 for n in f if f[n].id.get_create_plist().get_nfilters() == 0
+                        and f[n].id.get_num_chunks() == 1)
+        assert plain and covered >= 0.8 * plain, name
+    ls.save(many, tmp_path / "z.h5", compression="weights")  # compressed: no row
+    assert spec.check_header_digests(tmp_path / "z.h5") == 0
 
 
 def test_compressed_stores_use_the_documented_filters_and_codecs(tmp_path):

@@ -12,9 +12,10 @@ from ...chunking import chunk_count
 from ...errors import IntegrityError, UnsafeFileError
 from ...hardening import MAX_ATTR_BYTES, MAX_ATTRS, check_chunk_shape
 from .crc_table import CHUNK_CRC_ATTR
-from .header_digests import DIGESTS_ATTR
 
-_ARRAY_ATTRS = frozenset({CHUNK_CRC_ATTR, DIGESTS_ATTR})  # read as arrays, not tuples
+_ARRAY_ATTRS = frozenset({CHUNK_CRC_ATTR, "header_digests"})  # read as arrays, not tuples
+"""(``header_digests``: :data:`.header_digests.DIGESTS_ATTR`, not imported: this module loads
+no more than reading a file's signature and attributes needs.)"""
 
 
 def hdf5_superblock_offset(path: str | os.PathLike) -> int | None:

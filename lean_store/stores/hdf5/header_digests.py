@@ -32,7 +32,6 @@ import numpy as np
 from ...hardening import MAX_ATTR_BYTES
 from .header import FIRST_READ, MAX_HEADER_CHUNK, compact_only
 from .header_layout import chunked_layout, dataspace_dims, index_node_size, only_chunk
-from .libhdf5 import library
 
 DIGESTS_ATTR = "header_digests"
 VERSION = 1
@@ -72,18 +71,17 @@ class SingleChunkDatasets:
         self.attributes = array("H")  # attributes written (counted when the dataset closes)
         self.plans: list[tuple[tuple[int, ...], tuple[int, ...], int] | None] = []
 
-    def add(self, dataset: Any, plan: tuple[tuple[int, ...], tuple[int, ...], int] | None
+    def add(self, address: int | None,
+            plan: tuple[tuple[int, ...], tuple[int, ...], int] | None
             ) -> tuple[SingleChunkDatasets, int] | None:
-        """The next dataset (its low-level id) of ``plan`` (stored shape, chunks, item size),
-        or None and None for a dataset of another kind; its place, for its attribute count."""
-        found = None
-        if dataset is not None and plan is not None:
-            lib = library()
-            found = None if lib is None else lib.object_header(dataset.id)
-        self.addresses.append(0 if found is None else found[0])
+        """The next dataset, whose object header is at ``address``, of ``plan`` (stored
+        shape, chunks, item size); None and None for a dataset of another kind. Its place,
+        for its attribute count."""
+        known = address is not None and address > 0 and plan is not None
+        self.addresses.append(address if known and address else 0)
         self.attributes.append(MAX_COMPACT_ATTRS + 1)  # unknown until it is closed
-        self.plans.append(plan if found is not None else None)
-        return (self, len(self.plans) - 1) if found is not None else None
+        self.plans.append(plan if known else None)
+        return (self, len(self.plans) - 1) if known else None
 
     def __len__(self) -> int:
         return len(self.plans)

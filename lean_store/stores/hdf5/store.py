@@ -390,8 +390,10 @@ class HDF5Writer(StoreWriter):
         self._records.add(record)
         itemsize, _, grid = sizes
         single = None
-        if behind and math.prod(grid) == 1 and math.prod(stored) > 0:
-            single = self._single_chunk.add(dset, plan_key)
+        lib = library()
+        if behind and math.prod(grid) == 1 and math.prod(stored) > 0 and lib is not None:
+            found = lib.object_header(dset.id)  # its header's address, for its digest
+            single = self._single_chunk.add(None if found is None else found[0], plan_key)
         else:
             self._single_chunk.add(None, None)
         return HDF5TensorWriter(dset, entry, ftype, chunks, direct, fletcher32, deflate, record,
