@@ -217,8 +217,9 @@ def test_a_dataset_with_attributes_outside_its_header_gets_no_row(tmp_path: Path
     datasets = header_digests.SingleChunkDatasets()
     with h5py.File(path, "r") as f:
         dsid = f[hdf5_store.node_name("blocks.0.b")].id
-        place = datasets.add(h5py.h5o.get_info(dsid).addr, ((8,), (8,), 4))
-        assert place is not None
+        place = datasets.add(((8,), (8,), 4))
+        assert place is not None and datasets[0] is None  # its address not yet known
+        datasets.addresses.append(h5py.h5o.get_info(dsid).addr)
         datasets.attributes[place[1]] = 12
         fd = f.id.get_vfd_handle()
         size = os.fstat(fd).st_size

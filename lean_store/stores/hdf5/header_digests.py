@@ -31,7 +31,7 @@ import numpy as np
 
 from ...hardening import MAX_ATTR_BYTES
 from .header import FIRST_READ, MAX_HEADER_CHUNK, compact_only
-from .header_layout import chunked_layout, dataspace_dims, index_node_size, only_chunk
+from .header_layout import chunked_layout, dataspace_dims, index_node_size, leaf_chunk
 
 DIGESTS_ATTR = "header_digests"
 VERSION = 1
@@ -61,40 +61,41 @@ Eligible = tuple[int, tuple[int, ...], tuple[int, ...], int, int]
 shape, its chunk shape, its item size and its number of attributes."""
 
 
+MAX_COMPACT_ATTRS = 32
+"""Attributes a dataset's header holds as messages (the save's ``H5Pset_attr_phase_change``
+bound): with more, libhdf5 may keep them outside the header, where no digest reaches."""
+_CONTINUATION_HEAD = bytes((0x10, 16, 0))  # a continuation message's type and body size
+
+
 class SingleChunkDatasets:
     """A save's datasets in manifest order, those of one unfiltered chunk with what their
-    digests need: compact (three array slots and one shared plan per dataset), since a save of
-    tens of thousands of tensors keeps them until its end."""
+    digests need: compact (two array slots and one shared plan per dataset), since a save of
+    tens of thousands of tensors keeps them until its end. The object header addresses are
+    asked at the end, in one pass over the root group's links."""
 
     def __init__(self) -> None:
-        self.addresses = array("Q")  # object header addresses (0: not one unfiltered chunk)
+        self.addresses = array("Q")  # object header addresses, in order (0: not a hard link)
         self.attributes = array("H")  # attributes written (counted when the dataset closes)
         self.plans: list[tuple[tuple[int, ...], tuple[int, ...], int] | None] = []
 
-    def add(self, address: int | None,
-            plan: tuple[tuple[int, ...], tuple[int, ...], int] | None
+    def add(self, plan: tuple[tuple[int, ...], tuple[int, ...], int] | None
             ) -> tuple[SingleChunkDatasets, int] | None:
-        """The next dataset, whose object header is at ``address``, of ``plan`` (stored
-        shape, chunks, item size); None and None for a dataset of another kind. Its place,
-        for its attribute count."""
-        known = address is not None and address > 0 and plan is not None
-        self.addresses.append(address if known and address else 0)
+        """The next dataset, of ``plan`` (stored shape, chunks, item size: shared by the
+        datasets of a plan) when it is one unfiltered chunk, else None. Its place, for its
+        attribute count (None for a dataset of another kind)."""
         self.attributes.append(MAX_COMPACT_ATTRS + 1)  # unknown until it is closed
-        self.plans.append(plan if known else None)
-        return (self, len(self.plans) - 1) if known else None
+        self.plans.append(plan)
+        return None if plan is None else (self, len(self.plans) - 1)
 
     def __len__(self) -> int:
         return len(self.plans)
 
     def __getitem__(self, number: int) -> Eligible | None:
-        plan, address = self.plans[number], self.addresses[number]
+        plan = self.plans[number]
+        address = self.addresses[number] if number < len(self.addresses) else 0
         if plan is None or not address:
             return None
         return (address, *plan, self.attributes[number])
-MAX_COMPACT_ATTRS = 32
-"""Attributes a dataset's header holds as messages (the save's ``H5Pset_attr_phase_change``
-bound): with more, libhdf5 may keep them outside the header, where no digest reaches."""
-_CONTINUATION_HEAD = bytes((0x10, 16, 0))  # a continuation message's type and body size
 
 
 def _datatype_word(at: int, size: int, flags: int) -> int:
@@ -168,6 +169,9 @@ class _Chunk0(NamedTuple):
     prefix: bytes  # chunk 0 up to the end of its last structural message
     index_at: int  # where the chunk index's address lies in it
     datatype: int  # :func:`_datatype_word`
+    ndims: int  # dimensions of the chunk index's keys (the rank, then the item)
+    index_size: int  # :func:`.header_layout.index_node_size` of them
+    nbytes: tuple[int, int]  # the chunk's bytes (least and most its index may hold)
 
     def same(self, head: bytes) -> bool:
         """``head`` starts with this prefix but for the chunk index's address."""
@@ -196,7 +200,7 @@ class DigestRows:
         if first is None or nattrs > MAX_COMPACT_ATTRS:
             return None
         head, start, end, order, more = first
-        key = (start, shape, chunks, itemsize, order)
+        key = (start, order, shape, chunks, itemsize)
         known = self._walked.get(key)
         conts: list[tuple[int, int]] = []  # after the prefix: attributes and continuations
         if known is None or not known.same(head) or not _walk_tail(
@@ -227,17 +231,14 @@ class DigestRows:
                 return None
             blocks.append(block)
             ranges[2 * i:2 * i + 2] = at, length
-        ndims = len(shape) + 1
-        index_size = index_node_size(ndims)
+        index_size = known.index_size
         if index == address + len(head) and len(more) >= index_size:
             node = more[:index_size]  # the index just after chunk 0: read with it
-        else:
+        elif index + index_size <= file_size:
             node = pread(index_size, index)
-        if len(node) != index_size:
+        else:
             return None
-        nbytes = math.prod(chunks) * itemsize
-        chunk = only_chunk(lambda size, offset: node[:size], index, ndims, (nbytes, nbytes),
-                           file_size)
+        chunk = leaf_chunk(node, known.ndims, known.nbytes, file_size)
         if chunk is None:
             return None
         digest = google_crc32c.value(head)
@@ -271,7 +272,9 @@ def _walk_chunk0(head: bytes, start: int, end: int, order: int, shape: tuple[int
     at, size, flags = found[_DATATYPE]
     prefix = max(at + size for at, size, _ in found.values())
     index_at = found[_LAYOUT][0] + 3  # after the version, the layout class and the rank
-    return _Chunk0(head[:prefix], index_at, _datatype_word(at, size, flags))
+    nbytes = math.prod(chunks) * itemsize
+    return _Chunk0(head[:prefix], index_at, _datatype_word(at, size, flags), len(shape) + 1,
+                   index_node_size(len(shape) + 1), (nbytes, nbytes))
 
 
 def _walk_tail(block: bytes, pos: int, end: int, order: int,

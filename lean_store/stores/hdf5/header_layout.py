@@ -214,11 +214,17 @@ def only_chunk(pread: Callable[[int, int], bytes], index: int, ndims: int,
     """(file position, stored bytes) of the one chunk a v1 B-tree at ``index`` holds: a leaf
     with one entry, no siblings, keyed at offset 0, no filter skipped (mask 0), of ``sizes``
     (least, most) bytes inside the file."""
-    at = _BTREE_HEAD.size + _KEY_HEAD.size  # the key's offsets, after its size and mask
     need = index_node_size(ndims)
     if index == _UNDEFINED or index + need > file_size:
         return None
-    node = pread(need, index)
+    return leaf_chunk(pread(need, index), ndims, sizes, file_size)
+
+
+def leaf_chunk(node: bytes, ndims: int, sizes: tuple[int, int], file_size: int
+               ) -> tuple[int, int] | None:
+    """:func:`only_chunk` of the leaf's bytes ``node`` (:func:`index_node_size` of them)."""
+    at = _BTREE_HEAD.size + _KEY_HEAD.size  # the key's offsets, after its size and mask
+    need = at + 8 * ndims + 8
     if len(node) != need or not node.startswith(_LEAF_HEAD):
         return None
     stored = int.from_bytes(node[_BTREE_HEAD.size:_BTREE_HEAD.size + 4], "little")

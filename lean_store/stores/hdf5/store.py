@@ -21,7 +21,7 @@ from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5d, h5l, h5o, h5p, h5s, h5t, h5z
+from h5py import h5, h5d, h5l, h5o, h5p, h5s, h5t, h5z
 from numcodecs.fletcher32 import Fletcher32
 
 from ...chunking import Region, chunk_count, chunk_number, grid_shape, plan_chunks, region_shape
@@ -390,12 +390,8 @@ class HDF5Writer(StoreWriter):
         self._records.add(record)
         itemsize, _, grid = sizes
         single = None
-        lib = library()
-        if behind and math.prod(grid) == 1 and math.prod(stored) > 0 and lib is not None:
-            found = lib.object_header(dset.id)  # its header's address, for its digest
-            single = self._single_chunk.add(None if found is None else found[0], plan_key)
-        else:
-            self._single_chunk.add(None, None)
+        single = self._single_chunk.add(
+            plan_key if behind and math.prod(grid) == 1 and math.prod(stored) > 0 else None)
         return HDF5TensorWriter(dset, entry, ftype, chunks, direct, fletcher32, deflate, record,
                                 attrs, stored, self._fd if behind else None, sizes,
                                 self._small, single)
@@ -490,7 +486,7 @@ class HDF5Writer(StoreWriter):
         dataset is of that kind or addresses are not file positions."""
         fd = self._fd
         datasets, self._single_chunk = self._single_chunk, SingleChunkDatasets()
-        if fd is None or not any(datasets.addresses):
+        if fd is None or not any(plan is not None for plan in datasets.plans):
             return None
         self._file.flush()  # every object header and chunk index written to the file
 
@@ -498,6 +494,14 @@ class HDF5Writer(StoreWriter):
             return os.pread(fd, size, offset)
 
         if not plain_superblock(pread(48, 0)):
+            return None
+        addresses = datasets.addresses
+
+        def visit(_name: bytes, info: Any) -> None:  # in creation order: the manifest's
+            addresses.append(info.u if info.type == h5l.TYPE_HARD else 0)
+
+        self._file.id.links.iterate(visit, info=True, idx_type=h5.INDEX_CRT_ORDER)
+        if len(addresses) != len(datasets):  # (only the datasets are linked from the root)
             return None
         return digest_table(pread, os.fstat(fd).st_size, datasets, manifest)
 
