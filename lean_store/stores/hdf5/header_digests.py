@@ -11,10 +11,10 @@ same places (:func:`matched`: one ``pread`` per range and one CRC-32C) knows the
 one the save wrote for its record, attributes included, without parsing it.
 
 The table is bound to the manifest it was written with (the CRC-32C of the manifest's bytes)
-and to itself (the CRC-32C of its rows): a manifest edited after the save, a table edited or
-copied into another file (h5repack moves every object) is not used, and each dataset is then
-checked as before. A dataset whose bytes differ (an attribute changed by h5py, a chunk moved)
-falls back the same way, which names the difference. Nothing in the table is trusted beyond
+and to itself (the CRC-32C of its rows): with a manifest or a table edited after the save it
+is not used, and each dataset is then checked as before. A dataset whose bytes differ (an
+attribute changed by h5py, a chunk moved, every object of a copy that h5repack made) falls
+back the same way, which names the difference. Nothing in the table is trusted beyond
 "these bytes are the ones the save wrote"; the chunk's CRC-32C is still checked on every read.
 """
 
@@ -104,13 +104,13 @@ def _datatype_word(at: int, size: int, flags: int) -> int:
     return at | size << 32 | flags << 48
 
 
-def _walk(block: bytes, pos: int, end: int, order: int, base: int,
+def _walk(block: bytes, pos: int, end: int, order: int,
           found: dict[int, tuple[int, int, int]], conts: list[tuple[int, int]]) -> bool:
-    """The messages of one header chunk: the body position (``base`` + its offset in
-    ``block``), size and flags of each structural message into ``found``, continuations into
-    ``conts``. False for anything a digest must not cover: a shared message (its bytes lie
-    elsewhere), an attribute with shared parts or not of version 3, dense attribute storage,
-    a filter pipeline, a message of another kind, a structural message twice."""
+    """The messages of one header chunk: the body position, size and flags of each
+    structural message into ``found``, continuations into ``conts``. False for anything a
+    digest must not cover: a shared message (its bytes lie elsewhere), an attribute with
+    shared parts or not of version 3, dense attribute storage, a filter pipeline, a message
+    of another kind, a structural message twice."""
     step = 4 + order
     unpack = _MESSAGE.unpack_from
     while end - pos >= step:  # fewer bytes left: the gap before the checksum
@@ -131,7 +131,7 @@ def _walk(block: bytes, pos: int, end: int, order: int, base: int,
             return False
         if kind == _ATTRIBUTE_INFO and not compact_only(block[body:pos]):
             return False
-        found[kind] = (base + body, size, mflags)
+        found[kind] = (body, size, mflags)
     return True
 
 
@@ -192,8 +192,8 @@ class DigestRows:
     def row(self, dataset: Eligible) -> list[int] | None:
         """The row of :data:`COLUMNS` of the one-chunk unfiltered dataset ``dataset`` as the
         file now holds it; None when its header or index is not exactly of that kind (its
-        structural messages past chunk 0, a header of more than two chunks, attributes kept
-        outside the header): it is then checked as before."""
+        structural messages past chunk 0, a header of more than three chunks, attributes
+        kept outside the header): it is then checked as before."""
         address, shape, chunks, itemsize, nattrs = dataset
         pread, file_size = self._pread, self._file_size
         first = _header_chunk(pread, address, file_size)
@@ -225,7 +225,9 @@ class DigestRows:
             if len(block) != length or block[:4] != _OCHK:
                 return None
             # a continuation chunk is walked only when a continuation message's first
-            # bytes appear in it (most hold attributes alone)
+            # bytes appear in it (most hold attributes alone). Its attributes are in the
+            # header (at most MAX_COMPACT_ATTRS of them) and none is shared: the save's file
+            # has no shared-message index (h5py's default file creation properties)
             if _CONTINUATION_HEAD in block and not _walk_tail(block, 4, length - 4, order,
                                                                conts, nested=True):
                 return None
@@ -254,7 +256,7 @@ def _walk_chunk0(head: bytes, start: int, end: int, order: int, shape: tuple[int
     bytes and a chunked layout of ``chunks`` (then attributes and at most one continuation:
     see :func:`_walk_tail`); None otherwise."""
     found: dict[int, tuple[int, int, int]] = {}
-    if not _walk(head, start, end, order, 0, found, []) or not _ONCE <= found.keys():
+    if not _walk(head, start, end, order, found, []) or not _ONCE <= found.keys():
         return None
 
     def body(kind: int) -> bytes:
