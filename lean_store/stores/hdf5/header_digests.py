@@ -326,10 +326,11 @@ def digest_table(pread: Pread, file_size: int,
     return table.reshape(-1)
 
 
-def parse_table(value: Any, manifest: Any, count: int) -> list[list[int]] | None:
-    """The rows of a :data:`DIGESTS_ATTR` value read back, for a manifest of ``count``
-    records whose attribute read back as ``manifest``; None when it is not a table of this
-    version bound to exactly that manifest (the caller then checks every dataset as before)."""
+def parse_table(value: Any, manifest: Any, count: int) -> np.ndarray | None:
+    """The rows (``count`` x :data:`COLUMNS`, uint64) of a :data:`DIGESTS_ATTR` value read
+    back, for a manifest of ``count`` records whose attribute read back as ``manifest``; None
+    when it is not a table of this version bound to exactly that manifest (the caller then
+    checks every dataset as before)."""
     if not isinstance(value, np.ndarray) or value.dtype != np.uint64 or value.shape != (
         (count + 1) * COLUMNS,
     ):
@@ -343,8 +344,7 @@ def parse_table(value: Any, manifest: Any, count: int) -> list[list[int]] | None
         google_crc32c.value(text)
     ) or head[3] != _bytes_crc(value[1:]):
         return None
-    rows: list[list[int]] = value[1:].tolist()
-    return rows
+    return value[1:]
 
 
 def matched(pread: Pread, file_size: int, row: list[int]

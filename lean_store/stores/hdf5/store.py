@@ -568,7 +568,8 @@ class HDF5Reader(StoreReader):
         self._manifest_records: dict[str, TensorRecord] | None = None
         # node -> its row of the save's header digests (:mod:`.header_digests`), when the
         # table is bound to this manifest
-        self._digests: dict[str, list[int]] = {}
+        self._digests: dict[str, int] = {}  # node -> its row's number in _digest_rows
+        self._digest_rows: np.ndarray | None = None
         self._datasets: dict[str, h5d.DatasetID] = {}
         self._listed: list[str] | None = None  # see nodes()
         self._hard_links: frozenset[str] = frozenset()  # every link nodes() listed: hard ones
@@ -605,7 +606,9 @@ class HDF5Reader(StoreReader):
             records = self._manifest_records = parse_manifest(self._manifest_text, self._where)
             if self._digest_table is not None:
                 rows = parse_digests(self._digest_table, self._manifest_text, len(records))
-                self._digests = {} if rows is None else dict(zip(records, rows))
+                if rows is not None:  # kept as the array (a list of rows: ~0.5 kB each)
+                    self._digest_rows = rows
+                    self._digests = dict(zip(records, range(len(records))))
             self._manifest_text = self._digest_table = None
         return self._manifest_records
 
@@ -726,9 +729,12 @@ class HDF5Reader(StoreReader):
         the bytes the save recorded for its record (:mod:`.header_digests`): it is the
         dataset written for that record, attributes included, without parsing its header.
         None: checked from its header or through libhdf5 as before."""
-        row = self._digests.get(node)
+        number = self._digests.get(node)
         fd = self._fd
-        if row is None or fd is None or self._addresses.get(node) != row[0] or (
+        if number is None or self._digest_rows is None:
+            return None
+        row: list[int] = self._digest_rows[number].tolist()
+        if fd is None or self._addresses.get(node) != row[0] or (
             node in self._datasets or record.table.size != 1
         ) or not self._headers.addresses_are_positions():
             return None
