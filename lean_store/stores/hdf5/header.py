@@ -73,6 +73,34 @@ def attribute_message_head(flags: int, prefix: bytes, data_size: int) -> bytes |
     return _MESSAGE.pack(_ATTRIBUTE, size, flags) + prefix if size <= 0xFFFF else None
 
 
+def first_chunk(pread: Callable[[int, int], bytes], address: int, file_size: int
+                ) -> tuple[bytes, int, int, int, bytes] | None:
+    """Chunk 0 of the version 2 object header at ``address`` (``pread(size, offset)`` reads
+    the file of ``file_size`` bytes): its bytes (checksum included), where its messages start
+    and end, the bytes of creation order each message carries, and the bytes read after it
+    (up to :data:`FIRST_READ` in all); None for any other header."""
+    if not 0 <= address < file_size:
+        return None
+    head = pread(min(FIRST_READ, file_size - address), address)
+    if len(head) < 8 or head[:4] != _OHDR or head[4] != 2 or head[5] & 0xC0:
+        return None
+    flags = head[5]
+    pos = 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
+    width = 1 << (flags & 0x03)
+    if pos + width > len(head):
+        return None
+    size = int.from_bytes(head[pos:pos + width], "little")
+    pos += width
+    total = pos + size + 4  # then its checksum
+    if total > MAX_HEADER_CHUNK or address + total > file_size:
+        return None
+    more = head[total:]
+    head = head[:total] if total <= len(head) else pread(total, address)  # longer: read it
+    if len(head) != total:
+        return None
+    return head, pos, pos + size, 2 if flags & 0x04 else 0, more
+
+
 def attribute_messages(pread: Callable[[int, int], bytes], address: int, file_size: int,
                        others: list[OtherMessage] | None = None,
                        known: KnownMessages | None = None
@@ -83,29 +111,12 @@ def attribute_messages(pread: Callable[[int, int], bytes], address: int, file_si
     when given, receives every other message of the header (:data:`OtherMessage`). A message
     whose whole bytes are a key of ``known`` is taken from there instead of being parsed (one
     slice and one lookup: the manifest says what each message holds); any other is parsed."""
-    if not 0 <= address < file_size:
+    first = first_chunk(pread, address, file_size)
+    if first is None:
         return None
-    head = pread(min(FIRST_READ, file_size - address), address)
-    if len(head) < 8 or head[:4] != _OHDR or head[4] != 2:
-        return None
-    flags = head[5]
-    if flags & 0xC0:
-        return None
-    pos = 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
-    width = 1 << (flags & 0x03)
-    if pos + width > len(head):
-        return None
-    size = int.from_bytes(head[pos:pos + width], "little")
-    pos += width
-    if pos + size + 4 > len(head):  # chunk 0 is longer than the first read
-        if size > MAX_HEADER_CHUNK or address + pos + size + 4 > file_size:
-            return None
-        head = pread(pos + size + 4, address)
-        if len(head) != pos + size + 4:
-            return None
-    order = 2 if flags & 0x04 else 0  # creation order of each message
+    head, pos, end, order, _ = first
     found: dict[bytes, AttributeMessage] = {}
-    chunks = [(head, pos, pos + size)]
+    chunks = [(head, pos, end)]
     seen = 1
     while chunks:
         block, start, end = chunks.pop()

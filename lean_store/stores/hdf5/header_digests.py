@@ -30,7 +30,7 @@ import google_crc32c
 import numpy as np
 
 from ...hardening import MAX_ATTR_BYTES
-from .header import FIRST_READ, MAX_HEADER_CHUNK, compact_only
+from .header import MAX_HEADER_CHUNK, compact_only, first_chunk
 from .header_layout import chunked_layout, dataspace_dims, index_node_size, leaf_chunk
 
 DIGESTS_ATTR = "header_digests"
@@ -45,7 +45,7 @@ version, number of rows after it, CRC-32C of the manifest's bytes, CRC-32C of th
 attribute holds the rows one after another (a 1-D array: what every lean_store reader accepts
 as an attribute)."""
 
-_OHDR, _OCHK = b"OHDR", b"OCHK"
+_OCHK = b"OCHK"
 _MESSAGE = struct.Struct("<BHB")  # type, size of the body, flags
 _NIL, _DATASPACE, _DATATYPE, _FILL_VALUE, _LAYOUT = 0x00, 0x01, 0x03, 0x05, 0x08
 _ATTRIBUTE, _CONTINUATION, _MODIFIED, _ATTRIBUTE_INFO = 0x0C, 0x10, 0x12, 0x15
@@ -135,33 +135,6 @@ def _walk(block: bytes, pos: int, end: int, order: int,
     return True
 
 
-def _header_chunk(pread: Pread, address: int, file_size: int
-                  ) -> tuple[bytes, int, int, int, bytes] | None:
-    """Chunk 0 of the version 2 object header at ``address``: its bytes, where its messages
-    start and end, the bytes of creation order each message carries, and the bytes read after
-    it (up to :data:`~.header.FIRST_READ` in all)."""
-    if not 0 <= address < file_size:
-        return None
-    head = pread(min(FIRST_READ, file_size - address), address)
-    if len(head) < 8 or head[:4] != _OHDR or head[4] != 2 or head[5] & 0xC0:
-        return None
-    flags = head[5]
-    pos = 6 + (16 if flags & 0x20 else 0) + (4 if flags & 0x10 else 0)
-    width = 1 << (flags & 0x03)
-    if pos + width > len(head):
-        return None
-    size = int.from_bytes(head[pos:pos + width], "little")
-    pos += width
-    total = pos + size + 4  # then its checksum
-    if total > MAX_HEADER_CHUNK or address + total > file_size:
-        return None
-    more = head[total:]
-    head = head[:total] if total <= len(head) else pread(total, address)
-    if len(head) != total:
-        return None
-    return head, pos, pos + size, 2 if flags & 0x04 else 0, more
-
-
 class _Chunk0(NamedTuple):
     """The structural messages at the start of a walked chunk 0, kept for the next datasets
     of the same plan: theirs differ only in the chunk index's address."""
@@ -196,7 +169,7 @@ class DigestRows:
         kept outside the header): it is then checked as before."""
         address, shape, chunks, itemsize, nattrs = dataset
         pread, file_size = self._pread, self._file_size
-        first = _header_chunk(pread, address, file_size)
+        first = first_chunk(pread, address, file_size)
         if first is None or nattrs > MAX_COMPACT_ATTRS:
             return None
         head, start, end, order, more = first
