@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
 
+from ..fork_safe import ForkSafeLock
 from ..shared_threads import SharedThreads
 from . import fs_sync
 
@@ -36,9 +36,9 @@ MAX_HELD = 2
 
 _RELEASER = SharedThreads(1, "lean_store-release")
 _PENDING: deque[Future[None]] = deque()
-_LOCK = threading.Lock()  # the queue (held while waiting for its oldest)
+_LOCK = ForkSafeLock()  # the queue (held while waiting for its oldest)
 _HELD: dict[int, tuple[int, int]] = {}  # descriptor -> (device, inode) of the file it holds
-_HELD_LOCK = threading.Lock()  # _HELD (taken by the background close: never waits)
+_HELD_LOCK = ForkSafeLock()  # _HELD (taken by the background close: never waits)
 _FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(
     os, "O_NONBLOCK", 0)
 
@@ -109,12 +109,13 @@ def wait_released() -> None:
 
 def _forget() -> None:
     """In a forked child: its copies of the descriptors held are closed (else the child
-    would keep the old files' space while it lives), and the parent's queue is not its own.
-    A descriptor is closed only if it still holds the file it held (the parent may have
-    closed it, and reused its number, as the fork happened)."""
-    global _PENDING, _LOCK, _HELD, _HELD_LOCK
+    would keep the old files' space while it lives), and the parent's queue is not its own
+    (the locks are :class:`~lean_store.fork_safe.ForkSafeLock`s, renewed in the child). A
+    descriptor is closed only if it still holds the file it held (the parent may have closed
+    it, and reused its number, as the fork happened)."""
+    global _PENDING, _HELD
     held, _HELD = _HELD, {}
-    _PENDING, _LOCK, _HELD_LOCK = deque(), threading.Lock(), threading.Lock()
+    _PENDING = deque()
     for fd, identity in held.items():
         try:
             info = os.fstat(fd)

@@ -359,8 +359,8 @@ class HDF5Writer(StoreWriter):
         self._queue: OrderedPool | None = None
         self._records = ManifestBuilder()  # the manifest, one record per dataset
         # per record, in order, for the save's header digests (:mod:`.header_digests`): the
-        # object header's address of a dataset of one unfiltered chunk (0: any other), its
-        # plan's (stored shape, chunks, item size) and its attributes (counted when closed)
+        # plan (stored shape, chunks, item size) of a dataset of one unfiltered chunk (None:
+        # any other), its attributes (counted when closed), its header's address (at the end)
         self._single_chunk = SingleChunkDatasets()
         self._plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # see _plan
         _ONE_SAVE_AT_A_TIME.acquire()  # released when the file is closed (finish or abort)
@@ -388,10 +388,8 @@ class HDF5Writer(StoreWriter):
         deflate = None if direct else self._deflate_chunks(dcpl, dset, ftype.get_size())
         record = {"node": node, "attrs": dict(attrs), "stored_shape": stored, "chunks": chunks}
         self._records.add(record)
-        itemsize, _, grid = sizes
-        single = None
         single = self._single_chunk.add(
-            plan_key if behind and math.prod(grid) == 1 and math.prod(stored) > 0 else None)
+            plan_key if behind and math.prod(sizes[2]) == 1 and math.prod(stored) > 0 else None)
         return HDF5TensorWriter(dset, entry, ftype, chunks, direct, fletcher32, deflate, record,
                                 attrs, stored, self._fd if behind else None, sizes,
                                 self._small, single)
@@ -566,9 +564,9 @@ class HDF5Reader(StoreReader):
             self._file.close()
             raise
         self._manifest_records: dict[str, TensorRecord] | None = None
-        # node -> its row of the save's header digests (:mod:`.header_digests`), when the
-        # table is bound to this manifest
-        self._digests: dict[str, int] = {}  # node -> its row's number in _digest_rows
+        # the save's header digests (:mod:`.header_digests`), when the table is bound to this
+        # manifest: its rows, and node -> its row's number
+        self._digests: dict[str, int] = {}
         self._digest_rows: np.ndarray | None = None
         self._datasets: dict[str, h5d.DatasetID] = {}
         self._listed: list[str] | None = None  # see nodes()
@@ -731,12 +729,12 @@ class HDF5Reader(StoreReader):
         None: checked from its header or through libhdf5 as before."""
         number = self._digests.get(node)
         fd = self._fd
-        if number is None or self._digest_rows is None:
-            return None
-        row: list[int] = self._digest_rows[number].tolist()
-        if fd is None or self._addresses.get(node) != row[0] or (
+        if number is None or self._digest_rows is None or fd is None or (
             node in self._datasets or record.table.size != 1
         ) or not self._headers.addresses_are_positions():
+            return None
+        row: list[int] = self._digest_rows[number].tolist()
+        if self._addresses.get(node) != row[0]:
             return None
         try:
             hit = header_matched(lambda n, at: os.pread(fd, n, at), self._file_size, row)
@@ -746,20 +744,30 @@ class HDF5Reader(StoreReader):
             return None
         datatype, offset = hit
         itemsize = int.from_bytes(datatype[1][4:8], "little")
-        shape, chunks = record.stored_shape, record.chunks
-        size = math.prod(chunks) * itemsize
+        size = math.prod(record.chunks) * itemsize
         if offset + size > self._file_size:
             return None
+        found = self._one_chunk(node, record, record.stored_shape, record.chunks, itemsize,
+                                (offset, size), datatype, ["crc32c"])
+        self._attrs_checked.add(node)
+        return found
+
+    def _one_chunk(self, node: str, record: TensorRecord, shape: tuple[int, ...],
+                   chunks: tuple[int, ...], itemsize: int, chunk: tuple[int, int],
+                   datatype: tuple[int, bytes], filters: list[str]) -> StoredTensor:
+        """A dataset of one chunk (its file position and stored bytes ``chunk``) known from
+        its header's bytes, never opened through libhdf5: what the reads and the datatype
+        check need of it recorded, and its description. ``filters``: its filters, then
+        ``crc32c``; none but that: it is read as plain bytes."""
         check_chunk_shape(node, chunks, shape, itemsize)
-        self._single[node] = (offset, size)
+        self._single[node] = chunk
         self._header_types[node] = datatype
         self._tables[node] = record.table
         self._geometry[node] = (shape, chunks, itemsize)
-        self._plain[node] = True
-        self._attrs_checked.add(node)
+        self._plain[node] = filters == ["crc32c"]
         return StoredTensor(
             node=node, attrs=dict(record.attrs), stored_shape=shape, chunk_shape=chunks,
-            storage="hdf5", itemsize=itemsize, nbytes_on_disk=size, filters=["crc32c"],
+            storage="hdf5", itemsize=itemsize, nbytes_on_disk=chunk[1], filters=filters,
         )
 
     def _stored_from_header(self, node: str, record: TensorRecord) -> StoredTensor | None:
@@ -780,30 +788,24 @@ class HDF5Reader(StoreReader):
             found.chunks != record.chunks
         ) or record.table.size != 1:
             return None
-        check_chunk_shape(node, found.chunks, found.shape, found.itemsize)
-        self._single[node] = (found.offset, found.size)
         filters = ["crc32c"]
         if found.blosc is not None:  # the pipeline "weights" writes, checked byte for byte
-            self._single_blosc[node] = found.blosc
             filters[:0] = ["blosc", "fletcher32"] if found.blosc else ["blosc"]
         elif found.fletcher32:  # checksum="fletcher32+crc32c", no compression
-            self._single_fletcher.add(node)
             filters[:0] = ["fletcher32"]
-        self._header_types[node] = found.datatype
-        self._tables[node] = record.table
-        self._geometry[node] = (found.shape, found.chunks, found.itemsize)
-        self._plain[node] = found.blosc is None and not found.fletcher32
+        stored = self._one_chunk(node, record, found.shape, found.chunks, found.itemsize,
+                                 (found.offset, found.size), found.datatype, filters)
+        if found.blosc is not None:
+            self._single_blosc[node] = found.blosc
+        elif found.fletcher32:
+            self._single_fletcher.add(node)
         if header_match(found.attributes, expected) or self._confirm_header(
             node, found.attributes, expected, record
         ):
             self._attrs_checked.add(node)
         else:  # compared through libhdf5 at the first read (check_attributes)
             self._header_differs.add(node)
-        return StoredTensor(
-            node=node, attrs=dict(record.attrs), stored_shape=found.shape,
-            chunk_shape=found.chunks, storage="hdf5", itemsize=found.itemsize,
-            nbytes_on_disk=found.size, filters=filters,
-        )
+        return stored
 
     def _confirm_header(self, node: str, messages: dict[bytes, Any] | None,
                         expected: list[ExpectedAttr] | None, record: TensorRecord) -> bool:
