@@ -106,15 +106,20 @@ def test_chunk_zero_is_walked_once_per_plan(tmp_path: Path, monkeypatch) -> None
     walk = header_digests._walk_chunk0
 
     def spy(*args):
-        walked.append(args[4])  # the shape
-        return walk(*args)
+        known = walk(*args)
+        at = known.index_at  # the chunk index's address differs from dataset to dataset
+        walked.append((args[4], known.prefix[:at], known.prefix[at + 8:]))
+        return known
 
     monkeypatch.setattr(header_digests, "_walk_chunk0", spy)
     state = {f"l{i}.{k}": np.full(shape, i, np.float32)
              for i in range(50) for k, shape in (("w", (4, 4)), ("b", (4,)))}
     ls.save(state, tmp_path / "many.h5")
-    assert sorted(set(walked)) == [(4,), (4, 4)]
-    assert len(walked) <= 4  # (the header's times may tick once during the save)
+    assert {shape for shape, *_ in walked} == {(4,), (4, 4)}
+    # each layout once: a new one comes only from the header's times ticking during the
+    # save or from libhdf5 placing a message elsewhere (HDF5 1.14: the attribute info
+    # message of some datasets in chunk 0, of others in a continuation chunk)
+    assert len(walked) == len(set(walked)) < len(state) / 4
     assert len(_covered(tmp_path / "many.h5", state)) >= 0.8 * len(state)
 
 

@@ -36,6 +36,10 @@ from .header_layout import chunked_layout, dataspace_dims, index_node_size, leaf
 DIGESTS_ATTR = "header_digests"
 VERSION = 1
 MAX_CONTINUATIONS = 2  # header chunks a row covers after chunk 0
+# chunk-0 layouts kept per plan: HDF5 1.14 puts the attribute info message of some
+# datasets of one plan in chunk 0 and of others in a continuation chunk, and the header's
+# times tick during a long save
+_LAYOUTS_KEPT = 8
 COLUMNS = 7 + 2 * MAX_CONTINUATIONS
 """Columns of a dataset's row: header address, chunk 0's bytes, the address and bytes of each
 of its continuation chunks (0, 0: none), the chunk index's address and bytes read, the
@@ -155,12 +159,13 @@ class _Chunk0(NamedTuple):
 class DigestRows:
     """The rows of one save's datasets, read back through HDF5's descriptor (``pread``) of a
     file of ``file_size`` bytes. Chunk 0 of a header is walked message by message once per
-    plan (shape, chunks, item size); the next datasets of that plan are compared with it."""
+    plan (shape, chunks, item size) and layout; the next datasets of that plan are compared
+    with the layouts walked."""
 
     def __init__(self, pread: Pread, file_size: int) -> None:
         self._pread = pread
         self._file_size = file_size
-        self._walked: dict[tuple[Any, ...], _Chunk0] = {}
+        self._walked: dict[tuple[Any, ...], list[_Chunk0]] = {}
 
     def row(self, dataset: Eligible) -> list[int] | None:
         """The row of :data:`COLUMNS` of the one-chunk unfiltered dataset ``dataset`` as the
@@ -173,19 +178,20 @@ class DigestRows:
         if first is None or nattrs > MAX_COMPACT_ATTRS:
             return None
         head, start, end, order, more = first
-        key = (start, order, shape, chunks, itemsize)
-        known = self._walked.get(key)
+        layouts = self._walked.setdefault((start, order, shape, chunks, itemsize), [])
         conts: list[tuple[int, int]] = []  # after the prefix: attributes and continuations
-        if known is None or not known.same(head) or not _walk_tail(
-            head, len(known.prefix), end, order, conts
-        ):
-            known = _walk_chunk0(head, start, end, order, shape, chunks, itemsize)
-            if known is None:
+        for known in layouts:
+            if known.same(head) and _walk_tail(head, len(known.prefix), end, order, conts):
+                break
+            conts.clear()
+        else:
+            walked = _walk_chunk0(head, start, end, order, shape, chunks, itemsize)
+            if walked is None or not _walk_tail(head, len(walked.prefix), end, order, conts):
                 return None
-            self._walked[key] = known
-            conts = []
-            if not _walk_tail(head, len(known.prefix), end, order, conts):
-                return None
+            known = walked
+            if len(layouts) == _LAYOUTS_KEPT:
+                del layouts[0]
+            layouts.append(known)
         index = int.from_bytes(head[known.index_at:known.index_at + 8], "little")
         blocks = [head]
         ranges = [0] * (2 * MAX_CONTINUATIONS)
