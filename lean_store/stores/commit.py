@@ -4,12 +4,14 @@ A writer asks for a commit, writes into :attr:`Commit.work`, then calls :meth:`C
 (or :meth:`Commit.abort`; leaving a ``with`` block without committing aborts). Two kinds:
 
 - :meth:`Commit.local`: ``work`` is a hidden temporary sibling ``.NAME.lean_store-tmp-<hex>``
-  (a file, or a directory tree). The commit makes every file and directory of it durable
-  (fsyncs, or for a tree one ``syncfs`` where that reports write errors), checks once
-  more what the target holds (:mod:`lean_store.stores.target`), moves it into place atomically
-  (files: one ``rename``; directories: one ``renameat2(RENAME_EXCHANGE)``, then the old tree,
-  swapped out to the temporary name, is removed), and fsyncs the parent directory. A crash at
-  any point leaves the previous content whole at the target (docs/SECURITY.md).
+  (a file, or a directory tree; named by :mod:`.leftovers`, so that the next committed save
+  to ``NAME`` removes it if the process writing it died). The commit makes every file and
+  directory of it durable (fsyncs, or for a tree one ``syncfs`` where that reports write
+  errors), checks once more what the target holds (:mod:`lean_store.stores.target`), moves it
+  into place atomically (files: one ``rename``; directories: one
+  ``renameat2(RENAME_EXCHANGE)``, then the old tree, swapped out to the temporary name, is
+  removed), and fsyncs the parent directory. A crash at any point leaves the previous content
+  whole at the target (docs/SECURITY.md).
 - :meth:`Commit.url` (fsspec URLs, Zarr stores only): object stores cannot rename a prefix, so
   ``work`` is the final URL, which must not exist yet; the writer's last write, the root
   ``zarr.json`` carrying ``complete``, is the commit marker. Until it is written every reader
@@ -28,12 +30,13 @@ import os
 import shutil
 import sys
 import uuid
+import weakref
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from ..errors import CheckpointError, SaveIOError
-from . import fs_sync, old_files
+from . import fs_sync, leftovers, old_files
 from .target import FileKind, check_file_kind, check_replaceable
 
 STORAGE_OPTIONS = {"auto_mkdir": True}  # fsspec options for file:// and local:// URLs
@@ -125,7 +128,10 @@ class LocalCommit(Commit):
         # an old file an earlier save replaced, still being freed in the background, is
         # freed before this save writes: a save never needs more room than it did before
         old_files.wait_released()
-        self.work_path = path.with_name(f".{path.name}.lean_store-tmp-{uuid.uuid4().hex}")
+        self.work_path = leftovers.new_temporary(path)
+        # a commit dropped without commit or abort (a DCP save another rank failed) leaves
+        # a temporary that this process's next save to the path removes
+        weakref.finalize(self, leftovers.finished, self.work_path)
         self.work = str(self.work_path)
         self._aborted = False
         # a tree this process writes: made durable by one syncfs that also reports any
@@ -159,6 +165,8 @@ class LocalCommit(Commit):
             if self._sync is not None:
                 self._sync.close()
         self.committed = True
+        leftovers.finished(self.work_path)
+        clear_dead_temporaries(self.target)
 
     def abort(self) -> None:
         if self.committed:
@@ -167,6 +175,7 @@ class LocalCommit(Commit):
         if self._sync is not None:
             self._sync.close()
         discard_temporary(self.work_path)
+        leftovers.finished(self.work_path)
 
 
 class URLCommit(Commit):
@@ -331,6 +340,16 @@ def discard_temporary(path: Path) -> None:
         pass
 
 
+def clear_dead_temporaries(target: Path) -> list[Path]:
+    """Remove the temporaries beside ``target`` of saves whose writer no longer runs
+    (:mod:`.leftovers`); return them. Called once a save to ``target`` is committed (the
+    target then holds a newer checkpoint than any of them); never raises."""
+    dead = leftovers.dead_temporaries(target)
+    for path in dead:
+        discard_temporary(path)
+    return dead
+
+
 def refused_by_os(exc: BaseException) -> TypeGuard[OSError]:
     """An OSError carrying an errno (the operating system's refusal), not already ours."""
     return (isinstance(exc, OSError) and isinstance(exc.errno, int)
@@ -338,6 +357,7 @@ def refused_by_os(exc: BaseException) -> TypeGuard[OSError]:
 
 
 __all__ = [
-    "Commit", "LocalCommit", "URLCommit", "discard_temporary", "fsync_tree", "is_url",
-    "refused_by_os", "remove_path", "replace_atomically", "storage_options_for", "url_fs",
+    "Commit", "LocalCommit", "URLCommit", "clear_dead_temporaries", "discard_temporary",
+    "fsync_tree", "is_url", "refused_by_os", "remove_path", "replace_atomically",
+    "storage_options_for", "url_fs",
 ]

@@ -1,0 +1,103 @@
+"""The temporaries of local saves, named so that a later save can tell which are dead.
+
+A save writes into a hidden sibling ``.NAME.lean_store-tmp-<32 hex>`` and renames it over
+``NAME`` (:mod:`.commit`). A process killed meanwhile (SIGKILL, the OOM killer, a scheduler's
+SIGTERM) leaves that sibling behind, as big as the checkpoint. The 32 hex digits are the
+writer's owner tag (8: a CRC-32 of the host name and of the process's PID namespace), its
+process ID (8) and 16 random ones. Once a save to ``NAME`` is committed,
+:func:`.commit.clear_dead_temporaries` removes the siblings of ``NAME`` that this host and
+PID namespace wrote and whose writer no longer runs (or, for this process's own, that no
+save of it still writes): by then ``NAME`` holds a newer checkpoint than any of them.
+
+What it never removes: temporaries of other hosts or PID namespaces (containers) and of
+lean_store versions before this naming (random names), whose writers cannot be judged from
+here; a writer whose PID was reused by another process (kept until that one exits); the
+``.NAME.lean_store-old-*`` copy of a rename-aside that a crash interrupted (the previous
+checkpoint, to be renamed back by hand).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+import zlib
+from functools import cache
+from pathlib import Path
+
+from ..fork_safe import ForkSafeLock
+
+_ACTIVE: set[str] = set()  # this process's temporaries that a save still writes
+_LOCK = ForkSafeLock()
+_HEX = re.compile(r"[0-9a-f]{32}")
+
+
+@cache
+def owner_tag() -> str:
+    """8 hex digits naming this host and PID namespace."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    where = socket.gethostname() + "\0" + namespace
+    return f"{zlib.crc32(where.encode()):08x}"
+
+
+def _prefix(target: Path) -> str:
+    return f".{target.name}.lean_store-tmp-"
+
+
+def new_temporary(target: Path) -> Path:
+    """A fresh temporary sibling of ``target`` owned by this process, counted as written
+    until :func:`finished`."""
+    path = target.with_name(f"{_prefix(target)}{owner_tag()}{os.getpid():08x}"
+                            f"{secrets.token_hex(8)}")
+    with _LOCK:
+        _ACTIVE.add(str(path))
+    return path
+
+
+def finished(path: Path) -> None:
+    """The save writing ``path`` committed or gave it up."""
+    with _LOCK:
+        _ACTIVE.discard(str(path))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal sent: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's (EPERM), or anything unclear: treated as running
+        return True
+    return True
+
+
+def dead_temporaries(target: Path) -> list[Path]:
+    """The temporaries beside ``target`` whose writer is known not to write them any more."""
+    if os.name != "posix":  # os.kill(pid, 0) would signal the process elsewhere
+        return []
+    prefix, tag, me = _prefix(target), owner_tag(), os.getpid()
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return []
+    dead = []
+    for name in names:
+        suffix = name[len(prefix):]
+        if not name.startswith(prefix) or not _HEX.fullmatch(suffix) or suffix[:8] != tag:
+            continue
+        pid = int(suffix[8:16], 16)
+        path = target.with_name(name)
+        if pid == me:
+            with _LOCK:
+                if str(path) in _ACTIVE:
+                    continue  # another thread's save, still writing
+        elif pid <= 0 or _alive(pid):
+            continue
+        dead.append(path)
+    return dead
+
+
+__all__ = ["dead_temporaries", "finished", "new_temporary", "owner_tag"]
