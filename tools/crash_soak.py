@@ -3,6 +3,8 @@
 After each kill the checkpoint at the path must load bit-exact as either the previous state or
 the new one (never a mix, never silently wrong), a fresh path must hold nothing or the new state,
 and any temporary sibling left behind must be rejected (or be a complete copy of the new state).
+The temporaries killed overwrites leave stay until the next save to the path commits, which must
+have removed them (lean_store.stores.leftovers).
 
     .venv/bin/python tools/crash_soak.py --kills 1000            # both backends
     .venv/bin/python tools/crash_soak.py --kills 200 --backend zarr
@@ -167,10 +169,11 @@ def _load_bits(path: Path):
 
 
 def _check_leftovers(directory: Path, name: str, new: dict, tally: Tally,
-                     previous: dict | None = None) -> None:
+                     previous: dict | None = None, keep: bool = False) -> None:
     """Hidden temporaries a kill left: each is rejected, or is the new state complete, or (a
     kill between the atomic exchange and the removal of what it swapped out) the previous
-    checkpoint, whole."""
+    checkpoint, whole. ``keep``: the temporaries stay, for the next committed save to the
+    path to remove (:func:`_check_cleared`); anything else is removed here."""
     import lean_store as ls
 
     for leftover in directory.glob(f".{name}.lean_store-*"):
@@ -185,10 +188,21 @@ def _check_leftovers(directory: Path, name: str, new: dict, tally: Tally,
                 tally.outcomes["leftover: the swapped-out previous checkpoint, whole"] += 1
             else:
                 tally.failures.append(f"leftover {leftover} loaded WRONG data")
+        if keep and ".lean_store-tmp-" in leftover.name:
+            continue
         if leftover.is_dir():
             shutil.rmtree(leftover)
         else:
             leftover.unlink()
+
+
+def _check_cleared(directory: Path, name: str, before: list[Path], tally: Tally) -> None:
+    """A committed save to ``name`` removed the temporaries killed saves left (``before``)."""
+    left = [p for p in before if os.path.lexists(p)]
+    if left:
+        tally.failures.append(f"a committed save left dead saves' temporaries: {left}")
+    elif before:
+        tally.outcomes["dead saves' temporaries removed by the next committed save"] += 1
 
 
 def _reason(exc: Exception) -> str:
@@ -196,7 +210,7 @@ def _reason(exc: Exception) -> str:
     for key in ("incomplete", "not a readable", "not a lean_store", "truncated", "missing"):
         if key in text:
             return key
-    return type(exc).__name__
+    return f"{type(exc).__name__} ({text.split(': ', 1)[-1][:40]})"  # not the path
 
 
 def _delay(tally: Tally, rng: random.Random) -> float:
@@ -226,8 +240,11 @@ def run_round(
     if not path.exists():
         server.save(path, backend, seed, None)
     current = _load_bits(path)
+    dead = sorted(directory.glob(f".{path.name}.lean_store-tmp-*"))  # of killed saves
     outcome = server.save(path, backend, seed + 1, _delay(tally, rng))
     _record(server, outcome, tally)
+    if outcome == "done":
+        _check_cleared(directory, path.name, dead, tally)
     try:
         got = _load_bits(path)
     except ls.CheckpointError as exc:
@@ -245,7 +262,7 @@ def run_round(
         report = ls.verify(path)
         if not report.ok:
             tally.failures.append(f"{backend} overwrite: verify failed: {report}")
-    _check_leftovers(directory, path.name, new_state, tally, previous=current)
+    _check_leftovers(directory, path.name, new_state, tally, previous=current, keep=True)
     # 2. fresh path: nothing, or the complete new state
     fresh = directory / f"fresh{seed}{SUFFIX[backend]}"
     outcome = server.save(fresh, backend, seed + 1, _delay(tally, rng))
@@ -312,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         directory = None
         if args.dir is not None:
+            Path(args.dir).mkdir(parents=True, exist_ok=True)
             directory = Path(tempfile.mkdtemp(prefix=f"crash-{backend}-", dir=args.dir))
         tally = soak(backend, args.kills, args.seed, directory)
         print(f"{backend}: {tally.kills} kills in {time.perf_counter() - start:.1f} s")
