@@ -609,7 +609,7 @@ def _read_all(ck: Checkpoint, names: list[str], read: Callable[[str], T]) -> dic
     (:mod:`lean_store.read_ahead`); a remote store's reads stay on this thread."""
     if is_url(ck.path):
         return {name: read(name) for name in names}
-    return read_all(names, read, total_bytes=sum(ck.layout[n].nbytes for n in names))
+    return read_all(names, read, sizes=[ck.layout[n].nbytes for n in names])
 
 
 def _convert(words: np.ndarray, src: ScalarFormat, dst: ScalarFormat) -> np.ndarray:

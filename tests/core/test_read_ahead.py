@@ -138,7 +138,7 @@ def test_read_all_error_on_the_worker_waits_for_the_caller_and_returns_nothing()
             running[0] -= 1
 
     with pytest.raises(IntegrityError, match="damaged"):
-        read_ahead.read_all(["a", "b", "c", "d"], read, total_bytes=1 << 30)
+        read_ahead.read_all(["a", "b", "c", "d"], read, sizes=[1 << 28] * 4)
     assert running[0] == 0  # nothing still reading
     assert len(done) == 1  # the caller finished its tensor and took no other one
 
@@ -159,7 +159,7 @@ def test_read_all_error_on_the_caller_waits_for_the_worker():
         return name
 
     with pytest.raises(IntegrityError, match="damaged"):
-        read_ahead.read_all(["a", "b", "c", "d"], read, total_bytes=1 << 30)
+        read_ahead.read_all(["a", "b", "c", "d"], read, sizes=[1 << 28] * 4)
     assert len(finished) == 1  # the worker's read ended before read_all did; no other taken
 
 
@@ -171,9 +171,39 @@ def test_read_all_small_loads_stay_on_the_calling_thread():
         return name * 2
 
     got = read_ahead.read_all(["a", "b", "c"], read,
-                              total_bytes=read_ahead.READ_AHEAD_MIN_BYTES - 1)
+                              sizes=[1, 2, read_ahead.READ_AHEAD_MIN_BYTES - 4])
     assert got == {"a": "aa", "b": "bb", "c": "cc"}
     assert threads == {threading.get_ident()}
+
+
+def test_read_all_the_caller_starts_with_the_small_tensors_the_worker_with_the_big():
+    """Small reads (short system calls, each giving up the GIL) stay with the caller while the
+    worker reads the big ones; whichever is done first takes from the other's share."""
+    small, big = read_ahead.SMALL_BYTES - 1, read_ahead.READ_AHEAD_MIN_BYTES
+    names = [f"s{i}" for i in range(6)] + [f"b{i}" for i in range(3)] + ["s6", "s7"]
+    sizes = [small] * 6 + [big] * 3 + [small] * 2
+    order: list[tuple[bool, str]] = []  # (on the caller's thread, name), as read
+    worker_read = threading.Event()
+
+    def read(name: str) -> str:
+        caller = threading.current_thread() is threading.main_thread()
+        order.append((caller, name))
+        if caller:
+            assert worker_read.wait(WAIT)  # the caller goes on once the worker has read
+        else:
+            worker_read.set()
+        return name.upper()
+
+    got = read_ahead.read_all(names, read, sizes=sizes)
+    assert got == {n: n.upper() for n in names} and list(got) == names
+    caller = [n for on_caller, n in order if on_caller]
+    worker = [n for on_caller, n in order if not on_caller]
+    assert caller[0] == "s0" and worker[0] == "b0"
+    assert sorted(caller + worker) == sorted(names)
+    # each list in its own order: the small ones, then the big ones the caller helped with
+    assert [n for n in caller if n.startswith("s")] == sorted(
+        n for n in caller if n.startswith("s"))
+    assert all(n.startswith("b") for n in worker[:len([n for n in worker if n[0] == "b"])])
 
 
 def _on_both_threads_verified(monkeypatch, before_read=None) -> dict[str, int]:
