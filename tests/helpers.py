@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -199,3 +202,17 @@ def assert_same_arrays(got: dict, want: dict) -> None:
     for key, value in want.items():
         assert np.asarray(got[key]).dtype == value.dtype
         assert np.asarray(got[key]).tobytes() == value.tobytes(), key
+
+
+def wait_for_child(predicate: Callable[[], bool], proc: subprocess.Popen,
+                   limit: float = 120.0) -> None:
+    """Wait until ``predicate()`` holds while the child ``proc`` runs (it reached the point
+    a test kills it at, say); AssertionError if it exits first or ``limit`` seconds pass."""
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"child exited early: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the child never reached the point waited for")
+        time.sleep(0.02)

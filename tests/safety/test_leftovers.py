@@ -10,11 +10,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import wait_for_child
 
 import lean_store as ls
 import lean_store.writing as core
@@ -47,14 +47,7 @@ def _stalled_save(path: Path, marker: Path, seconds: float) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", _STALLED, str(path), str(marker),
                              str(seconds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"child exited early: {proc.communicate()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("the child never reached its save")
-        time.sleep(0.02)
+    wait_for_child(marker.exists, proc)
     return proc
 
 

@@ -7,9 +7,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+from helpers import wait_for_child
 from torch_optional import require_torch
 
 import lean_store as ls
@@ -104,22 +104,11 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _wait_for(predicate, proc, limit=120.0):
-    deadline = time.monotonic() + limit
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"child exited early: {proc.communicate()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("child never reached the point to be killed")
-        time.sleep(0.02)
-
-
 def test_writer_killed_mid_save_is_never_listed(tmp_path, backend):
     directory, marker = tmp_path / "run", tmp_path / "marker"
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(directory), backend, str(marker)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _wait_for(marker.exists, proc)
+    wait_for_child(marker.exists, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".")]
@@ -156,7 +145,7 @@ def test_writer_killed_at_any_moment_leaves_only_whole_steps(tmp_path, backend):
     proc = subprocess.Popen([sys.executable, "-c", _LOOP, str(directory), backend],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     ck = ls.Checkpointer(directory, backend=backend)
-    _wait_for(lambda: (ck.latest() or 0) >= 3, proc)
+    wait_for_child(lambda: (ck.latest() or 0) >= 3, proc)
     os.kill(proc.pid, signal.SIGKILL)  # wherever it is: writing, committing or pruning
     proc.wait()
     steps = ck.steps()
