@@ -129,9 +129,10 @@ class LocalCommit(Commit):
         # freed before this save writes: a save never needs more room than it did before
         old_files.wait_released()
         self.work_path = leftovers.new_temporary(path)
-        # a commit dropped without commit or abort (a DCP save another rank failed) leaves
-        # a temporary that this process's next save to the path removes
-        weakref.finalize(self, leftovers.finished, self.work_path)
+        # the temporary stops counting as written at the commit, the abort, or when this
+        # object is dropped without either (a DCP save another rank failed): this process's
+        # next save to the path then removes it
+        self._finished = weakref.finalize(self, leftovers.finished, self.work_path)
         self.work = str(self.work_path)
         self._aborted = False
         # a tree this process writes: made durable by one syncfs that also reports any
@@ -165,7 +166,7 @@ class LocalCommit(Commit):
             if self._sync is not None:
                 self._sync.close()
         self.committed = True
-        leftovers.finished(self.work_path)
+        self._finished()
         clear_dead_temporaries(self.target)
 
     def abort(self) -> None:
@@ -175,7 +176,7 @@ class LocalCommit(Commit):
         if self._sync is not None:
             self._sync.close()
         discard_temporary(self.work_path)
-        leftovers.finished(self.work_path)
+        self._finished()
 
 
 class URLCommit(Commit):

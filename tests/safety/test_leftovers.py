@@ -55,6 +55,22 @@ def _temporaries(path: Path) -> list[Path]:
     return sorted(path.parent.glob(f".{path.name}.lean_store-tmp-*"))
 
 
+def _dead_pid() -> int:
+    """The PID of a child that exited and was reaped: it names no process (until reused,
+    which only keeps files)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def _dead_temporary(path: Path, fill: str) -> Path:
+    """A file named as a save to ``path`` of this host whose process died left it."""
+    dead = path.with_name(f".{path.name}.lean_store-tmp-{leftovers.owner_tag()}"
+                          f"{_dead_pid():08x}{fill * 16}")
+    dead.write_bytes(b"x")
+    return dead
+
+
 def _state(value: float) -> dict[str, np.ndarray]:
     return {"w": np.full((16, 16), value, np.float32), "b": np.arange(16, dtype=np.int64)}
 
@@ -95,8 +111,7 @@ def test_only_dead_temporaries_of_this_host_and_path_are_removed(tmp_path: Path,
     path = tmp_path / f"ck{suffix}"
     tag = leftovers.owner_tag()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()  # reaped: its PID names no process (until reused, which only keeps files)
+    gone = _dead_pid()
     try:
         def leftover(name: str, directory: bool = False) -> Path:
             p = tmp_path / name
@@ -107,16 +122,16 @@ def test_only_dead_temporaries_of_this_host_and_path_are_removed(tmp_path: Path,
                 p.write_bytes(b"x" * 100)
             return p
 
-        dead = leftover(f".{path.name}.lean_store-tmp-{tag}{gone.pid:08x}{'0' * 16}")
-        dead_tree = leftover(f".{path.name}.lean_store-tmp-{tag}{gone.pid:08x}{'1' * 16}",
+        dead = leftover(f".{path.name}.lean_store-tmp-{tag}{gone:08x}{'0' * 16}")
+        dead_tree = leftover(f".{path.name}.lean_store-tmp-{tag}{gone:08x}{'1' * 16}",
                              directory=True)
         kept = [
             leftover(f".{path.name}.lean_store-tmp-{tag}{sleeper.pid:08x}{'2' * 16}"),  # alive
-            leftover(f".{path.name}.lean_store-tmp-{'0' * 8}{gone.pid:08x}{'3' * 16}"),  # host
+            leftover(f".{path.name}.lean_store-tmp-{'0' * 8}{gone:08x}{'3' * 16}"),  # host
             leftover(f".{path.name}.lean_store-tmp-{'4' * 32}"[:-1]),  # not our naming
             leftover(f".{path.name}.lean_store-tmp-0123456789abcdef0123456789abcdef"),
-            leftover(f".{path.name}.lean_store-old-{tag}{gone.pid:08x}{'5' * 16}"),  # aside
-            leftover(f".other{suffix}.lean_store-tmp-{tag}{gone.pid:08x}{'6' * 16}"),  # path
+            leftover(f".{path.name}.lean_store-old-{tag}{gone:08x}{'5' * 16}"),  # aside
+            leftover(f".other{suffix}.lean_store-tmp-{tag}{gone:08x}{'6' * 16}"),  # path
         ]
         assert set(commit.clear_dead_temporaries(path)) == {dead, dead_tree}
         assert not dead.exists() and not dead_tree.exists()
@@ -131,11 +146,7 @@ def test_only_dead_temporaries_of_this_host_and_path_are_removed(tmp_path: Path,
 
 def test_a_failed_save_removes_nothing(tmp_path: Path, suffix: str, monkeypatch) -> None:
     path = tmp_path / f"ck{suffix}"
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    dead = tmp_path / f".{path.name}.lean_store-tmp-{leftovers.owner_tag()}{gone.pid:08x}" \
-        f"{'7' * 16}"
-    dead.write_bytes(b"x")  # as a dead save's copy: kept until a newer checkpoint is at the path
+    dead = _dead_temporary(path, "7")  # kept until a newer checkpoint is at the path
 
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -163,11 +174,7 @@ def test_a_temporary_this_process_abandoned_is_removed(tmp_path: Path) -> None:
 
 def test_a_removal_that_fails_fails_no_save(tmp_path: Path, monkeypatch) -> None:
     path = tmp_path / "ck.h5"
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    dead = tmp_path / f".{path.name}.lean_store-tmp-{leftovers.owner_tag()}{gone.pid:08x}" \
-        f"{'8' * 16}"
-    dead.write_bytes(b"x")
+    dead = _dead_temporary(path, "8")
 
     def refuse(p: Path) -> None:
         raise PermissionError(13, "Permission denied", str(p))
