@@ -160,6 +160,7 @@ class Tally:
     save_times: list[float] = field(default_factory=list)
     outcomes: Counter = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
+    kept: set[Path] = field(default_factory=set)  # temporaries checked and left for a save
 
 
 def _load_bits(path: Path):
@@ -177,6 +178,8 @@ def _check_leftovers(directory: Path, name: str, new: dict, tally: Tally,
     import lean_store as ls
 
     for leftover in directory.glob(f".{name}.lean_store-*"):
+        if leftover in tally.kept:  # checked in the round its save was killed, against that
+            continue                # round's states; a later round's kill left it in place
         try:
             got = _load_bits(leftover)
         except ls.CheckpointError as exc:
@@ -189,6 +192,7 @@ def _check_leftovers(directory: Path, name: str, new: dict, tally: Tally,
             else:
                 tally.failures.append(f"leftover {leftover} loaded WRONG data")
         if keep and ".lean_store-tmp-" in leftover.name:
+            tally.kept.add(leftover)
             continue
         if leftover.is_dir():
             shutil.rmtree(leftover)
