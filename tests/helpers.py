@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -216,3 +219,29 @@ def wait_for_child(predicate: Callable[[], bool], proc: subprocess.Popen,
             proc.kill()
             raise AssertionError("the child never reached the point waited for")
         time.sleep(0.02)
+
+
+def zarr_chunk_file(array_dir: Path, *coords: int) -> Path:
+    """The chunk (shard) file at grid ``coords`` of the Zarr array in ``array_dir``, by the
+    chunk key separator its ``zarr.json`` states (``c.0.1``; ``c/0/1`` before 2026-12-05)."""
+    doc = json.loads((array_dir / "zarr.json").read_text())
+    sep = doc["chunk_key_encoding"]["configuration"]["separator"]
+    return array_dir / ("c" + "".join(sep + str(c) for c in coords))
+
+
+def zarr_chunk_files(array_dir: Path) -> list[Path]:
+    """Every chunk (shard) file of the Zarr array in ``array_dir``, sorted by path."""
+    return sorted(p for p in array_dir.rglob("*") if p.is_file() and p.name != "zarr.json")
+
+
+def to_slash_layout(path: Path) -> None:
+    """Rewrite a checkpoint as lean_store wrote it before 2026-12-05: chunk files at
+    ``c/0/1`` and every document stating the separator "/" (the root's copies too)."""
+    for array_dir in (p for p in path.iterdir() if p.is_dir()):
+        for chunk in [p for p in array_dir.iterdir() if p.name.startswith("c.")]:
+            target = array_dir.joinpath(*chunk.name.split("."))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(chunk, target)
+    for doc in path.rglob("zarr.json"):
+        text = doc.read_text()
+        doc.write_text(text.replace('"separator": "."', '"separator": "/"'))

@@ -452,9 +452,13 @@ def read_zarr(path: str | Path) -> dict[str, Tensor]:
         grid = tuple(ameta["chunk_grid"]["configuration"]["chunk_shape"])
         codecs = ameta["codecs"]
         arr = np.zeros(shape, dtype)
+        encoding = ameta["chunk_key_encoding"]
+        sep = encoding["configuration"]["separator"]
+        if encoding["name"] != "default" or sep not in ("/", "."):
+            raise SpecError(f"{node}: chunk key encoding {encoding}")
         for region in grid_regions(shape, grid):
-            key = "/".join(str(s.start // g) for s, g in zip(region, grid))
-            raw = (root / node / "c" / key).read_bytes()
+            key = "c" + "".join(sep + str(s.start // g) for s, g in zip(region, grid))
+            raw = (root / node / key).read_bytes()
             cell = tuple(g for g in grid)
             if codecs[0]["name"] == "sharding_indexed":
                 valid = tuple(s.stop - s.start for s in region)

@@ -11,6 +11,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from helpers import zarr_chunk_file
 
 import lean_store as ls
 from lean_store.errors import CheckpointError, IntegrityError
@@ -41,7 +42,7 @@ def _flip_hdf5_chunk(path: Path, name: str, number: int) -> None:
 
 
 def _flip_zarr_chunk(path: Path, name: str, key: str) -> None:
-    chunk = path / name / "c" / key
+    chunk = zarr_chunk_file(path / name, *map(int, key.split("/")))
     data = bytearray(chunk.read_bytes())
     data[5] ^= 0xFF
     chunk.write_bytes(bytes(data))

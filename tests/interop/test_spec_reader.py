@@ -168,7 +168,7 @@ def test_the_reader_refuses_what_the_spec_calls_damage(tmp_path):
     with pytest.raises(spec.SpecError, match="chunk_crc32c"):
         spec.read_hdf5(tmp_path / "d.h5")
     ls.save(state, tmp_path / "d.zarr")
-    chunk = tmp_path / "d.zarr" / "w" / "c" / "0" / "0" / "0"
+    chunk = tmp_path / "d.zarr" / "w" / "c.0.0.0"
     data = bytearray(chunk.read_bytes())
     data[0] ^= 1
     chunk.write_bytes(bytes(data))

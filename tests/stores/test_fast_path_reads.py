@@ -23,6 +23,7 @@ import h5py
 import numpy as np
 import pytest
 import zarr.storage
+from helpers import zarr_chunk_files
 
 import lean_store as ls
 
@@ -175,19 +176,19 @@ def test_zarr_plain_path_reads_one_chunk_file(tmp_path, weights, reads):
     path = tmp_path / "w.zarr"
     state = weights[:28]  # 7 chunks: below the sharding threshold, one file per chunk
     ls.save({"w": state}, path, chunk_bytes=CHUNK)
-    assert sorted(p.name for p in (path / "w" / "c").iterdir()) == [str(i) for i in range(7)]
+    assert [p.name for p in zarr_chunk_files(path / "w")] == [f"c.{i}.0" for i in range(7)]
     with ls.open(path) as ck:
         ck["w"][0:1, 0:1]
         part, calls, nbytes = reads.during(lambda: ck["w"][10:12, 100:200:3])
         np.testing.assert_array_equal(part, state[10:12, 100:200:3])
         # one byte more than the file holds is asked for: a longer file shows without fstat
-        assert calls == [("open", "w/c/2/0"), ("preadv", 0, CHUNK + CRC + 1)]
+        assert calls == [("open", "w/c.2.0"), ("preadv", 0, CHUNK + CRC + 1)]
         assert CHUNK + CRC <= nbytes < CHUNK + CRC + SLACK
 
         part, calls, nbytes = reads.during(lambda: ck["w"][6:10])
         np.testing.assert_array_equal(part, state[6:10])
-        assert calls == [("open", "w/c/1/0"), ("preadv", 0, CHUNK + CRC + 1),
-                         ("open", "w/c/2/0"), ("preadv", 0, CHUNK + CRC + 1)]
+        assert calls == [("open", "w/c.1.0"), ("preadv", 0, CHUNK + CRC + 1),
+                         ("open", "w/c.2.0"), ("preadv", 0, CHUNK + CRC + 1)]
         assert 2 * (CHUNK + CRC) <= nbytes < 2 * (CHUNK + CRC) + SLACK
 
 
@@ -198,7 +199,7 @@ def test_zarr_sharded_plain_path_reads_the_index_once_and_one_inner_chunk(
     ls.save({"w": weights}, path, chunk_bytes=CHUNK)  # 16 chunks: sharded
     slots = zarr_inner_chunks_per_shard(path)
     assert slots == 8
-    shard = path / "w" / "c" / "1" / "0"  # rows 32-63
+    shard = path / "w" / "c.1.0"  # rows 32-63
     index = zarr_shard_index(shard, slots)
     index_bytes, size = 16 * slots + CRC, shard.stat().st_size
     with ls.open(path) as ck:
@@ -207,14 +208,14 @@ def test_zarr_sharded_plain_path_reads_the_index_once_and_one_inner_chunk(
         np.testing.assert_array_equal(part, weights[41:43, 100:200:3])
         offset, stored = (int(v) for v in index[2])
         assert stored == CHUNK + CRC
-        assert calls == [("open", "w/c/1/0"), ("pread", size - index_bytes, index_bytes),
+        assert calls == [("open", "w/c.1.0"), ("pread", size - index_bytes, index_bytes),
                          ("preadv", offset, CHUNK + CRC)]
         assert CHUNK + CRC + index_bytes <= nbytes < CHUNK + CRC + index_bytes + SLACK
 
         part, calls, nbytes = reads.during(lambda: ck["w"][60])  # same shard: index kept
         np.testing.assert_array_equal(part, weights[60])
         offset = int(index[7][0])
-        assert calls == [("open", "w/c/1/0"), ("preadv", offset, CHUNK + CRC)]
+        assert calls == [("open", "w/c.1.0"), ("preadv", offset, CHUNK + CRC)]
         assert CHUNK + CRC <= nbytes < CHUNK + CRC + SLACK
 
 
@@ -225,7 +226,7 @@ def test_zarr_compressed_plain_path_fetches_one_inner_chunk(tmp_path, noise, rea
     path = tmp_path / "w.zarr"
     ls.save({"w": noise}, path, chunk_bytes=CHUNK, compression="weights")
     slots = zarr_inner_chunks_per_shard(path)
-    index = zarr_shard_index(path / "w" / "c" / "0" / "0", slots)
+    index = zarr_shard_index(path / "w" / "c.0.0", slots)
     assert int(index[:, 1].min()) > SLACK  # so that a second chunk would show
     fetched: list[tuple[str, object]] = []
     get = zarr.storage.LocalStore.get
@@ -242,9 +243,9 @@ def test_zarr_compressed_plain_path_fetches_one_inner_chunk(tmp_path, noise, rea
     np.testing.assert_array_equal(part, noise[10:12, 100:200:3])
     assert fetched == []  # lean_store's direct reader, not zarr's store
     start, length = (int(v) for v in index[2])
-    shard = path / "w" / "c" / "0" / "0"
+    shard = path / "w" / "c.0.0"
     # the shard's index (at its end), then the one compressed inner chunk, at the index's offset
-    assert calls == [("open", "w/c/0/0"), ("pread", shard.stat().st_size - 16 * slots - CRC,
+    assert calls == [("open", "w/c.0.0"), ("pread", shard.stat().st_size - 16 * slots - CRC,
                                            16 * slots + CRC), ("preadv", start, length)]
     stored = int(index[2][1])
     assert stored < CHUNK  # really compressed

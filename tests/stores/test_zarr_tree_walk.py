@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import zarr_chunk_files
 
 import lean_store as ls
 from lean_store.checkpoint import Checkpoint
@@ -116,7 +117,7 @@ def test_walk_reads_no_chunk_size_and_open_stats_no_one_chunk_file(tmp_path: Pat
         assert [k for k, v in files.items() if v is not None and not k.endswith("zarr.json")] \
             == []  # every tensor here is one chunk: its length is left to its read
         ck.check_metadata("t01")  # what a load without verify runs first: one lstat
-        assert files["t01/c/0"] == (path / "t01" / "c" / "0").stat().st_size
+        assert files["t01/c.0"] == (path / "t01" / "c.0").stat().st_size
 
 
 def _make_link_file(root: Path) -> None:
@@ -132,7 +133,7 @@ def _make_dangling(root: Path) -> None:
 
 
 def _make_chunk_link(root: Path) -> None:
-    chunk = root / "t00" / "c" / "0"
+    chunk = root / "t00" / "c.0"
     chunk.unlink()
     chunk.symlink_to("/etc/passwd")
 
@@ -143,7 +144,7 @@ def _make_array_dir_link(root: Path) -> None:
 
 
 def _make_fifo(root: Path) -> None:
-    os.mkfifo(root / "t00" / "c" / "pipe")
+    os.mkfifo(root / "t00" / "pipe")
 
 
 def _make_deep(root: Path) -> None:
@@ -163,7 +164,7 @@ def _make_huge_stray_document(root: Path) -> None:
 
 
 def _make_big_chunk_named_like_metadata(root: Path) -> None:
-    with open(root / "t00" / "c" / "zarr.jso", "wb") as f:  # not a document: any size
+    with open(root / "t00" / "zarr.jso", "wb") as f:  # not a document: any size
         f.truncate(MAX_METADATA_BYTES + 1)
 
 
@@ -204,15 +205,15 @@ def test_lazy_size_of_a_file_gone_or_replaced(tmp_path: Path) -> None:
     path = tmp_path / "g.zarr"
     ls.save(_state(), path)
     tree = scan_local_zarr(path)
-    (path / "t00" / "c" / "0").unlink()
-    with pytest.raises(IntegrityError, match="t00/c/0"):
-        tree.size("t00/c/0")
-    (path / "t01" / "c" / "0").unlink()
-    (path / "t01" / "c" / "0").symlink_to(path / "zarr.json")
-    with pytest.raises(IntegrityError, match="t01/c/0: changed"):
-        tree.size("t01/c/0")
+    (path / "t00" / "c.0").unlink()
+    with pytest.raises(IntegrityError, match="t00/c.0"):
+        tree.size("t00/c.0")
+    (path / "t01" / "c.0").unlink()
+    (path / "t01" / "c.0").symlink_to(path / "zarr.json")
+    with pytest.raises(IntegrityError, match="t01/c.0: changed"):
+        tree.size("t01/c.0")
     with pytest.raises(KeyError):
-        tree.size("t02/c/9")  # not a file the walk found
+        tree.size("t02/c.9")  # not a file the walk found
 
 
 def _damage(chunk: Path, how: str) -> None:
@@ -232,7 +233,7 @@ DAMAGE = ["truncated", "empty", "extended"]
 def test_damaged_one_chunk_file_named_in_every_read(tmp_path: Path, how: str) -> None:
     path = tmp_path / "r.zarr"
     ls.save(_state(), path)
-    _damage(path / "mat" / "c" / "0" / "0", how)
+    _damage(path / "mat" / "c.0.0", how)
     with Checkpoint(path) as ck:  # the open no longer stats it
         with pytest.raises(IntegrityError, match="'mat'"):
             ck.read("mat")
@@ -262,7 +263,7 @@ def test_damaged_last_tensor_fails_the_load_before_the_first_is_installed(
     path = tmp_path / "v.zarr"
     ls.save(state, path)
     last = names[-1]  # "scalar": loaded last
-    _damage(path / last / "c" / "0", how)
+    _damage(path / last / "c.0", how)
     target = {n: np.zeros_like(np.asarray(v)) for n, v in state.items()}
     before = {n: v.copy() for n, v in target.items()}
     with pytest.raises(IntegrityError, match=repr(last)):
@@ -300,7 +301,7 @@ def test_multi_chunk_files_still_sized_on_open(tmp_path: Path, count: int,
             chunk_bytes=1024)
     doc = json.loads((path / "rows" / "zarr.json").read_text())
     assert (doc["codecs"][0]["name"] == "sharding_indexed") == sharded
-    chunks = sorted(p for p in (path / "rows" / "c").rglob("*") if p.is_file())
+    chunks = zarr_chunk_files(path / "rows")
     assert len(chunks) > 1
     chunks[0].write_bytes(chunks[0].read_bytes()[:-1])
     with pytest.raises(IntegrityError, match="'rows'.*truncated"):
@@ -308,8 +309,8 @@ def test_multi_chunk_files_still_sized_on_open(tmp_path: Path, count: int,
 
 
 @pytest.mark.parametrize("shape, chunks, shards, compressed, want", [
-    ((5,), (5,), None, False, ("n/c/0", 5 * 4 + 4)),
-    ((2, 3), (4, 8), None, False, ("n/c/0/0", 4 * 8 * 4 + 4)),  # a chunk beyond the array
+    ((5,), (5,), None, False, ("n/c.0", 5 * 4 + 4)),
+    ((2, 3), (4, 8), None, False, ("n/c.0.0", 4 * 8 * 4 + 4)),  # a chunk beyond the array
     ((5,), (5,), None, True, None),  # compressed: no exact size
     ((10, 4), (3, 4), None, False, None),  # several chunks: sized on open
     ((64, 2), (8, 2), (32, 2), False, None),  # sharded: sized on open

@@ -100,7 +100,7 @@ def test_round_trip_exact(tmp_path: Path) -> None:
 def test_compressed_chunk_corruption_detected(tmp_path: Path) -> None:
     path = tmp_path / "ck.zarr"
     ls.save(_state(1100), path, compression="weights", chunk_bytes=64 << 10)
-    shard = path / "f32" / "c" / "1" / "0"  # the partial last shard
+    shard = path / "f32" / "c.1.0"  # the partial last shard
     raw = bytearray(shard.read_bytes())
     raw[40] ^= 0x10
     shard.write_bytes(bytes(raw))

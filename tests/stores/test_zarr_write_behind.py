@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from helpers import FakeDeviceSource, without_save_id, zarr_layout_state
+from helpers import FakeDeviceSource, without_save_id, zarr_chunk_files, zarr_layout_state
 
 import lean_store as ls
 from lean_store import writing
@@ -118,7 +118,7 @@ def test_corrupt_chunk_written_behind_is_detected(tmp_path: Path,
     ls.save(STATE, path, chunk_bytes=CHUNK_BYTES)
     assert spy.calls
     for name in ("long", "unsharded_edge"):  # a shard, and an unsharded chunk with padding
-        unit = next(p for p in sorted((path / name / "c").rglob("*")) if p.is_file())
+        unit = zarr_chunk_files(path / name)[0]
         good = unit.read_bytes()
         raw = bytearray(good)
         raw[3] ^= 0x10

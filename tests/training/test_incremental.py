@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from helpers import to_slash_layout
 from torch_optional import require_torch
 
 import lean_store as ls
@@ -77,10 +78,10 @@ def test_unchanged_files_are_linked_and_steps_read_alone(scratch):
     assert stats.linked_files > 0 and stats.written_files > 0
     assert stats.written_bytes <= 0.15 * (stats.written_bytes + stats.linked_bytes)
     assert _files(first) == before  # the base is never written into
-    frozen = second / _node("0.weight") / "c" / "0" / "0"
+    frozen = second / _node("0.weight") / "c.0.0"
     assert frozen.stat().st_nlink == 2
-    assert frozen.stat().st_ino == (first / _node("0.weight") / "c" / "0" / "0").stat().st_ino
-    head = second / _node("2.weight") / "c" / "0" / "0"
+    assert frozen.stat().st_ino == (first / _node("0.weight") / "c.0.0").stat().st_ino
+    head = second / _node("2.weight") / "c.0.0"
     assert head.stat().st_nlink == 1  # changed: written afresh
     # each step is complete for lean_store and for stock zarr
     for path, params in ((first, None), (second, model.state_dict())):
@@ -142,15 +143,15 @@ def test_a_changed_frozen_tensor_is_written_and_a_corrupt_base_is_not_linked(scr
     model = _frozen_model()
     ck = ls.Checkpointer(scratch, backend="zarr", incremental=True)
     first = ck.save(0, model=model, rng=False)
-    shard = first / _node("0.bias") / "c" / "0"
+    shard = first / _node("0.bias") / "c.0"
     data = bytearray(shard.read_bytes())
     data[5] ^= 1  # the base's chunk no longer matches its CRC: never to be linked
     shard.write_bytes(bytes(data))
     with torch.no_grad():
         model[0].weight[3, 4] += 1.0  # a "frozen" tensor changes anyway
     second = ck.save(1, model=model, rng=False)
-    assert (second / _node("0.weight") / "c" / "0" / "0").stat().st_nlink == 1
-    assert (second / _node("0.bias") / "c" / "0").stat().st_nlink == 1
+    assert (second / _node("0.weight") / "c.0.0").stat().st_nlink == 1
+    assert (second / _node("0.bias") / "c.0").stat().st_nlink == 1
     assert ls.verify(second).ok
     np.testing.assert_array_equal(_weights(second)["0.weight"],
                                   model[0].weight.detach().numpy())
@@ -163,8 +164,8 @@ def test_incremental_with_weights_compression(scratch):
     _train_step(model)
     second = ck.save(1, model=model, rng=False, compression="weights")
     assert ck.last_save_stats.linked_files > 0
-    assert (second / _node("0.weight") / "c" / "0" / "0").stat().st_ino == (
-        first / _node("0.weight") / "c" / "0" / "0").stat().st_ino
+    assert (second / _node("0.weight") / "c.0.0").stat().st_ino == (
+        first / _node("0.weight") / "c.0.0").stat().st_ino
     assert ls.verify(second).ok and ls.verify(first).ok
     got = _weights(second)
     for name, value in model.state_dict().items():
@@ -243,3 +244,29 @@ def test_first_step_has_no_stats_and_non_incremental_links_nothing(scratch):
     second = plain.save(1, model=model, rng=False)
     assert plain.last_save_stats is None
     assert all(p.stat().st_nlink == 1 for p in second.rglob("*") if p.is_file())
+
+
+def test_a_base_of_the_slash_layout_still_gives_links(scratch):
+    """A step over a base saved before chunk keys took "." (``c/0/0``, e.g. by the previous
+    release): its new ``c.0.0`` files are compared with the base's at the old keys and linked;
+    both steps read alone."""
+    model = _frozen_model()
+    first = ls.Checkpointer(scratch, backend="zarr", incremental=True).save(
+        0, model=model, rng=False)
+    to_slash_layout(first)
+    want_first = _weights(first)
+    _train_step(model)
+    ck = ls.Checkpointer(scratch, backend="zarr", incremental=True)  # reads the base's root
+    second = ck.save(1, model=model, rng=False)
+    assert ck.last_save_stats.linked_files > 0
+    frozen = second / _node("0.weight") / "c.0.0"
+    assert frozen.stat().st_ino == (first / _node("0.weight") / "c" / "0" / "0").stat().st_ino
+    assert (second / _node("2.weight") / "c.0.0").stat().st_nlink == 1  # trained: written
+    got = _weights(second)
+    for name, value in model.state_dict().items():
+        assert np.array_equal(got[name], value.numpy()), name
+    assert {k: v.tobytes() for k, v in _weights(first).items()} == {
+        k: v.tobytes() for k, v in want_first.items()}
+    for step in (first, second):
+        with ls.open(step) as opened:
+            opened.verify()

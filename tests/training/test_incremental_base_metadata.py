@@ -38,7 +38,7 @@ def _node(name: str) -> str:
 
 def _chunk(step: Path, name: str) -> Path:
     """The first chunk file of the model parameter ``name`` (weights 2-D, biases 1-D)."""
-    return step / _node(name) / ("c/0/0" if name.endswith("weight") else "c/0")
+    return step / _node(name) / ("c.0.0" if name.endswith("weight") else "c.0")
 
 
 def _check_exact(step: Path, model: torch.nn.Module) -> None:

@@ -28,7 +28,7 @@ def _model() -> torch.nn.Module:
 
 
 def _chunk(step: Path) -> Path:
-    return step / node_name("model/0.weight") / "c" / "0" / "0"
+    return step / node_name("model/0.weight") / "c.0.0"
 
 
 def test_a_damaged_crc_word_in_the_base_is_not_linked(tmp_path: Path) -> None:

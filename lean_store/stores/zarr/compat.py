@@ -103,6 +103,14 @@ def plain_codecs(codecs: Sequence[dict[str, Any]]) -> bool:
 
 # ---------------------------------------------------------------- metadata written directly
 
+# The chunk key separator of the arrays lean_store writes: ``c.0.0`` in the array's own folder
+# (one folder per array) instead of zarr's default ``c/0/0`` (one folder per axis more, each a
+# ``mkdir`` on save and a listing on load). Both are the spec's default chunk key encoding;
+# checkpoints written with "/" are read as before.
+KEY_SEPARATOR = "."
+KEY_SEPARATORS = ("/", ".")  # the direct layout's readers take either
+CHUNK_KEY_ENCODING: dict[str, Any] = {"name": "default", "separator": KEY_SEPARATOR}  # zarr
+
 
 def _fill_json(dtype: np.dtype) -> Any:
     """The fill value 0 as zarr writes it for ``dtype`` in ``zarr.json``."""
@@ -124,7 +132,7 @@ def _bytes_codec(dtype: np.dtype) -> dict[str, Any]:
 def plain_array_document(
     shape: Sequence[int], dtype: np.dtype, chunks: Sequence[int], shards: Sequence[int] | None,
     attributes: dict[str, Any], dimension_names: Sequence[str],
-    compressor: dict[str, Any] | None = None,
+    compressor: dict[str, Any] | None = None, separator: str = KEY_SEPARATOR,
 ) -> dict[str, Any] | None:
     """The ``zarr.json`` document zarr 3's ``create_array`` writes for an uncompressed array
     (codecs ``bytes`` little endian + ``crc32c``, optionally inside ``sharding_indexed`` with a
@@ -157,7 +165,7 @@ def plain_array_document(
         "shape": [int(d) for d in shape],
         "data_type": _dtype_name(dtype),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in grid]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": separator}},
         "fill_value": _fill_json(dtype),
         "codecs": codecs,
         "attributes": attributes,
@@ -610,6 +618,7 @@ def writing_empty_chunks(array: Any) -> Any:
 
 __all__ = [
     "BLOSC_SHUFFLES", "LEAN_ENCODER", "LeanCrc32cCodec",
+    "CHUNK_KEY_ENCODING", "KEY_SEPARATOR", "KEY_SEPARATORS",
     "blosc_document", "chunk_key", "codec_documents",
     "EncodedDocument", "consolidated_group_document", "crc32c_codec", "encoded_document",
     "json_document_bytes", "key_of_document",

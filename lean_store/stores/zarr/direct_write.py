@@ -158,7 +158,10 @@ class DirectWriter:
         self._root = os.fspath(root)
         # None: uncompressed chunks (a plain document without a compressor: by construction)
         self._blosc = None if plain else _chunk_codecs(_inner_codecs(array))[1]
-        self._plain = plain
+        # a plain document states the default chunk key encoding (by construction): its
+        # separator, for keys made without a call per file
+        self._separator: str | None = \
+            array["chunk_key_encoding"]["configuration"]["separator"] if plain else None
         self._queue = queue  # Blosc chunks compressed on its pool (else on the caller)
         self._array = array
         self._linker = linker  # incremental steps: a lean_store.stores.zarr.incremental.UnitLinker
@@ -291,8 +294,8 @@ class DirectWriter:
         """(key, path) of the unit file of ``region``, its folders made."""
         unit = self._shards or self._chunks
         coords = tuple(s.start // u for s, u in zip(region, unit))
-        # a plain document states the default chunk key encoding with "/" (by construction)
-        key = "c/" + "/".join(map(str, coords)) if self._plain and coords \
+        sep = self._separator
+        key = "c" + sep + sep.join(map(str, coords)) if sep is not None and coords \
             else chunk_key(self._array, coords)
         path = f"{self._root}/{key}"
         folder = path.rpartition("/")[0]
@@ -306,8 +309,8 @@ class DirectWriter:
         if not self._made:
             make_dirs(self._root)
             self._made.add(self._root)
-        at = self._root
-        for part in folder[len(self._root) + 1:].split("/"):
+        at, below = self._root, folder[len(self._root) + 1:]
+        for part in below.split("/") if below else ():  # "c.0.0" keys: the array's own
             at = f"{at}/{part}"
             if at not in self._made:
                 make_dirs(at)

@@ -38,10 +38,11 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -219,9 +220,36 @@ def linker_for(new_array_dir: Path, node: str, metadata: dict[str, Any] | None =
             old = _metadata(base_dir)
     except (OSError, ValueError):
         return None
-    if old is None or old != new:
+    if old is None:
         return None
-    return UnitLinker(base_dir, new_array_dir, base.stats, base.writeback(new_array_dir))
+    base_key = None
+    if old != new:  # the same array but for the separator of its chunk keys: keys translated
+        old_sep, new_sep = _separator(old), _separator(new)
+        if old_sep is None or new_sep is None \
+                or {**old, "chunk_key_encoding": None} != {**new, "chunk_key_encoding": None}:
+            return None
+        base_key = partial(_translated_key, new_sep, old_sep)
+    return UnitLinker(base_dir, new_array_dir, base.stats, base.writeback(new_array_dir),
+                      base_key)
+
+
+def _separator(meta: dict[str, Any]) -> str | None:
+    """The separator of ``meta``'s default chunk key encoding ("." or "/"), else None."""
+    encoding = meta.get("chunk_key_encoding")
+    if not isinstance(encoding, dict) or encoding.get("name") != "default":
+        return None
+    config = encoding.get("configuration")
+    sep = config.get("separator") if isinstance(config, dict) else None
+    return sep if sep in (".", "/") else None
+
+
+def _translated_key(new_sep: str, old_sep: str, key: str) -> str:
+    """The key of the chunk file ``key`` (written with ``new_sep``) under ``old_sep``: a base
+    written before chunk keys took "." (``c/0/1``) still gives links (``c.0.1``)."""
+    head = "c" + new_sep
+    if not key.startswith(head):
+        return key
+    return "c" + "".join(old_sep + part for part in key[len(head):].split(new_sep))
 
 
 def _metadata(array_dir: Path) -> dict[str, Any] | None:
@@ -239,9 +267,11 @@ class UnitLinker:
     """Links one array's unit files to the base's identical files."""
 
     def __init__(self, base_dir: Path, new_dir: Path, stats: IncrementalStats,
-                 writeback: bool = True) -> None:
-        """``writeback``: start each written file's writeback at once (not in memory)."""
+                 writeback: bool = True, base_key: Callable[[str], str] | None = None) -> None:
+        """``writeback``: start each written file's writeback at once (not in memory).
+        ``base_key``: the base's key of a new unit's key, when the two differ."""
         self._writeback = writeback
+        self._base_key = base_key
         self._base_dir = base_dir
         self._new_dir = new_dir
         self.stats = stats
@@ -252,7 +282,7 @@ class UnitLinker:
         may be a callable giving its bytes (a chunk's CRC-32C word, being computed on the CRC
         workers): it is asked for once the other bytes compared equal, and the base's word
         must equal it. A linked file's word at that place is returned (the same value)."""
-        base = self._base_dir / key
+        base = self._base_dir / (key if self._base_key is None else self._base_key(key))
         same, word = _same_bytes(base, pieces, link_to=path)
         if same:
             with _STATS_LOCK:  # units may be linked on two workers at once
@@ -276,7 +306,7 @@ class UnitLinker:
         link to the base's file when the bytes are identical (saves space, not the write)."""
         path = self._new_dir / key
         size = path.stat().st_size
-        base = self._base_dir / key
+        base = self._base_dir / (key if self._base_key is None else self._base_key(key))
         if size >= _CRC_BYTES:
             data = np.fromfile(path, dtype=np.uint8)
             tmp = path.with_name(f".{path.name}.link")

@@ -26,7 +26,7 @@ from ...chunking import grid_shape
 from ...hardening import MAX_CHUNK_BYTES, MAX_RANK, MAX_SHARD_BYTES
 from . import shard_index
 from .blosc_read import blosc_layout
-from .compat import plain_array_document
+from .compat import KEY_SEPARATOR, KEY_SEPARATORS, plain_array_document
 
 _DATA_TYPES = {
     name: np.dtype(name) for name in (
@@ -50,6 +50,7 @@ class PlainArray:
     chunks: tuple[int, ...]
     shards: tuple[int, ...] | None
     compressed: bool
+    separator: str = KEY_SEPARATOR  # the chunk key encoding's: "." or "/"
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -75,8 +76,9 @@ class PlainArray:
 
     def key(self, coords: tuple[int, ...]) -> str:
         """The key (relative to the array) of the chunk (shard) file at grid ``coords``: the
-        default chunk key encoding with "/", as every plain document states."""
-        return "c/" + "/".join(map(str, coords))
+        default chunk key encoding with the document's separator."""
+        sep = self.separator
+        return "c" + sep + sep.join(map(str, coords))
 
     def codec_names(self) -> tuple[list[str], list[str]]:
         """(outer, inner) codec class names, as :func:`.checks.codec_names` gives zarr's."""
@@ -96,7 +98,7 @@ class PlainArray:
                 and all(c >= d for c, d in zip(self.chunks, self.shape)):
             # one chunk holds the array (most small tensors): its one file
             coords = (0,) * len(self.shape)
-            yield (f"{self.node}/c/{'/'.join('0' * len(coords))}", coords,
+            yield (f"{self.node}/{self.key(coords)}", coords,
                    None if self.compressed else stored_chunk)
             return
         slots = math.prod(s // c for s, c in zip(self.shards or (), self.chunks))
@@ -146,8 +148,13 @@ def plain_array(node: str, doc: Any) -> PlainArray | None:
             or len(inner) not in (2, 3) or not all(isinstance(c, dict) for c in inner):
         return None
     compressor = inner[1] if len(inner) == 3 else None
+    encoding = doc.get("chunk_key_encoding")
+    config = encoding.get("configuration") if isinstance(encoding, dict) else None
+    separator = config.get("separator") if isinstance(config, dict) else None
+    if not isinstance(separator, str) or separator not in KEY_SEPARATORS:
+        return None
     rebuilt = plain_array_document(shape, dtype, chunks, shards, doc["attributes"], names,
-                                   compressor)
+                                   compressor, separator)
     if rebuilt != doc or sys.byteorder != "little" \
             or compressor is not None and not blosc_layout(doc):
         return None  # rebuilt equal: plain ``bytes`` + ``crc32c`` around the compressor
@@ -160,7 +167,8 @@ def plain_array(node: str, doc: Any) -> PlainArray | None:
     if math.prod(chunks) * dtype.itemsize > MAX_CHUNK_BYTES \
             or math.prod(outer) * dtype.itemsize > MAX_SHARD_BYTES:
         return None
-    return PlainArray(node, doc, shape, dtype, chunks, shards, compressor is not None)
+    return PlainArray(node, doc, shape, dtype, chunks, shards, compressor is not None,
+                      separator)
 
 
 def plain_members(copies: Any) -> dict[str, PlainArray] | None:

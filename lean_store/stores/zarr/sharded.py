@@ -35,6 +35,7 @@ from .. import sharded_layout
 from ..commit import is_url
 from ..sharded_layout import RankShardWriter, ShardedLayout
 from .compat import (
+    CHUNK_KEY_ENCODING,
     consolidated_group_document,
     encoded_document,
     json_document_bytes,
@@ -102,6 +103,7 @@ def create_arrays(
             fill_value=0,
             attributes=_plain(attrs),
             dimension_names=dimension_names(entry),
+            chunk_key_encoding=CHUNK_KEY_ENCODING,  # c.0.0, as the direct writer's
             config={"write_empty_chunks": True},  # all-zero chunks are written too
         )
 

@@ -54,6 +54,7 @@ from .checks import (
     touched_keys,
 )
 from .compat import (
+    CHUNK_KEY_ENCODING,
     EncodedDocument,
     ZarrUserWarning,
     blosc_document,
@@ -376,6 +377,7 @@ class ZarrWriter(StoreWriter):
             fill_value=0,
             attributes=_plain(attrs),
             dimension_names=dimension_names(entry),
+            chunk_key_encoding=CHUNK_KEY_ENCODING,  # c.0.0, as the direct writer's
             config={"write_empty_chunks": True},
         )
         self._all_direct = False
