@@ -5,6 +5,7 @@ and the one-chunk listing of its files; a damaged one-chunk file is still refuse
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -160,3 +161,41 @@ def test_tampered_array_document_still_refused(tmp_path: Path) -> None:
     own.write_text(json.dumps(doc, indent=2))
     with pytest.raises(IntegrityError, match="disagrees with its copy"):
         ls.load_state(path)
+
+
+def test_documents_like_a_known_plain_one_get_the_same_verdict_as_rebuilt() -> None:
+    """:func:`plain_array` compares a document with one of its kind found plain before
+    (all members but shape, attributes and names); any other difference, or a change to the
+    first document after it was taken, still gets the verdict of the rebuilt document."""
+    from lean_store.stores.zarr import plain
+
+    plain._KNOWN.clear()
+    first = plain_array_document((6, 3), np.dtype("float32"), (2, 3), None, {"a": 1}, ["x", "y"])
+    assert first is not None
+    described = plain_array("w", first)
+    assert described is not None and plain._KNOWN
+    other = {**copy.deepcopy(first), "shape": [9, 3], "attributes": {"b": 2},
+             "dimension_names": ["p", "q"]}
+    again = plain_array("v", other)
+    assert again is not None and again.shape == (9, 3) and again.attrs == {"b": 2}
+    assert (again.chunks, again.shards, again.separator) == ((2, 3), None, ".")
+    first["codecs"].pop()  # the holder changes its document: the known one is a copy
+    assert plain_array("w", first) is None
+    assert plain_array("v", other) is not None
+    refused = [
+        {**other, "codecs": [{"name": "bytes", "configuration": {"endian": "big"}},
+                             {"name": "crc32c"}]},
+        {**other, "fill_value": 1.0},
+        {**other, "extra": 1},
+        {**other, "chunk_key_encoding": {"name": "default", "configuration": {"separator": "-"}}},
+        {**other, "shape": [9, 3, 1]},  # another rank than its chunks
+        {**other, "shape": [9, -3]},
+        {**other, "attributes": [1]},
+        {**other, "dimension_names": ["p", 1]},
+        {k: v for k, v in other.items() if k != "storage_transformers"},
+    ]
+    for doc in refused:
+        assert plain_array("v", doc) is None, doc
+    renamed = {k: v for k, v in other.items() if k != "zarr_format"}
+    renamed["zarr_format "] = 3  # as many members, one of another name
+    assert plain_array("v", renamed) is None

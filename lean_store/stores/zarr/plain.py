@@ -12,6 +12,7 @@ document (other codecs, grids, key encodings, extra keys) is left to zarr.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import sys
@@ -122,12 +123,53 @@ def _ints(value: Any) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+_PER_ARRAY = ("shape", "attributes", "dimension_names")  # the members that differ per array
+_KNOWN: dict[tuple[Any, ...], tuple[dict[str, Any], PlainArray]] = {}
+"""Documents found plain, by data type, chunk grid and rank: every member but
+:data:`_PER_ARRAY`, and the array described. A document equal to one of them in those members
+gets the same verdict (:func:`_plain_array` depends on nothing else but its shape's rank and
+its attributes' and names' types), without rebuilding it."""
+_KNOWN_LIMIT = 256
+
+
 def plain_array(node: str, doc: Any) -> PlainArray | None:
     """``doc`` as a :class:`PlainArray` when it is exactly the document lean_store's direct
     writer writes (rebuilt from its fields, it compares equal) and the direct reader reads it
     (row-block chunks within a shard, bounded rank, chunk and shard sizes); else None (zarr
-    then opens the array, and reports what is wrong with it)."""
-    if not isinstance(doc, dict) or not isinstance(doc.get("attributes"), dict):
+    then opens the array, and reports what is wrong with it). Most arrays of a checkpoint
+    share all but their shape, attributes and names: those are compared with an array of
+    the same kind found plain before (:data:`_KNOWN`) instead of rebuilt."""
+    if not isinstance(doc, dict):
+        return None
+    shape, names = _ints(doc.get("shape")), doc.get("dimension_names")
+    key: tuple[Any, ...] | None = None
+    known = None
+    try:
+        key = (doc.get("data_type"), len(shape) if shape is not None else None,
+               tuple(doc["chunk_grid"]["configuration"]["chunk_shape"]))
+        known = _KNOWN.get(key)
+    except (KeyError, TypeError, AttributeError):  # not shaped as a plain document
+        key = None
+    if known is not None and shape and isinstance(doc.get("attributes"), dict) \
+            and isinstance(names, list) and all(isinstance(n, str) for n in names) \
+            and len(doc) == len(known[0]) + len(_PER_ARRAY) \
+            and all(k in doc and doc[k] == v for k, v in known[0].items()):
+        a = known[1]
+        return PlainArray(node, doc, shape, a.dtype, a.chunks, a.shards, a.compressed,
+                          a.separator)
+    array = _plain_array(node, doc)
+    if array is not None and key is not None:
+        if len(_KNOWN) >= _KNOWN_LIMIT:
+            _KNOWN.clear()
+        # a copy: a document changed later by its holder changes no verdict
+        _KNOWN[key] = (copy.deepcopy({k: v for k, v in doc.items() if k not in _PER_ARRAY}),
+                       array)
+    return array
+
+
+def _plain_array(node: str, doc: dict[str, Any]) -> PlainArray | None:
+    """:func:`plain_array`, by rebuilding the document from its fields."""
+    if not isinstance(doc.get("attributes"), dict):
         return None
     data_type, shape = doc.get("data_type"), _ints(doc.get("shape"))
     dtype = _DATA_TYPES.get(data_type) if isinstance(data_type, str) else None
