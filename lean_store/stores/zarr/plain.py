@@ -68,12 +68,16 @@ class PlainArray:
         holds the whole, non-empty array, else None. Every direct read of such a file reads it
         whole and checks its length (one byte more asked), so the walk of the tree need not
         ``stat`` it (:func:`.checks.check_zarr_present`)."""
-        if self.shards is None and not self.compressed and all(self.shape) \
-                and all(c >= d for c, d in zip(self.chunks, self.shape)):
-            key, _coords, size = next(self.files())
-            assert size is not None  # uncompressed: its exact size
-            return key, size
+        if self.shards is None and not self.compressed and self._one_chunk:
+            sep = self.separator  # the key of chunk (0, ..., 0), as files() gives it
+            return (f"{self.node}/c{sep}{sep.join('0' * len(self.shape))}",
+                    math.prod(self.chunks) * self.dtype.itemsize + 4)
         return None
+
+    @property
+    def _one_chunk(self) -> bool:
+        """One chunk holds the whole, non-empty array."""
+        return all(self.shape) and all(c >= d for c, d in zip(self.chunks, self.shape))
 
     def key(self, coords: tuple[int, ...]) -> str:
         """The key (relative to the array) of the chunk (shard) file at grid ``coords``: the
@@ -95,8 +99,7 @@ class PlainArray:
         of every chunk (shard) file the array has, in C order of its grid."""
         itemsize = self.dtype.itemsize
         stored_chunk = math.prod(self.chunks) * itemsize + 4
-        if self.shards is None and all(self.shape) \
-                and all(c >= d for c, d in zip(self.chunks, self.shape)):
+        if self.shards is None and self._one_chunk:
             # one chunk holds the array (most small tensors): its one file
             coords = (0,) * len(self.shape)
             yield (f"{self.node}/{self.key(coords)}", coords,
