@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
+from ...integrity import crc32c_extend
 from ..blosc_frames import HEADER, decode_frame, frame_size_limit
 from .compat import codec_documents, sharding_document
 
@@ -72,7 +72,7 @@ def decode_chunk(stored: np.ndarray, chunk_nbytes: int, dst: np.ndarray) -> str 
     into ``dst`` (flat uint8: the whole chunk, or a prefix of it at the array's edge). Returns
     what is wrong with it, or None when ``dst`` now holds the chunk's bytes."""
     frame, tail = stored[:-4], stored[-4:]
-    crc = google_crc32c.value(frame)
+    crc = crc32c_extend(0, frame)
     if crc != int.from_bytes(tail.tobytes(), "little"):
         return f"fails its crc32c check (computed {crc:#010x})"
     return decode_frame(frame, chunk_nbytes, dst)

@@ -25,6 +25,7 @@ import numpy as np
 
 from ...chunking import chunk_number, touched_cells
 from ...errors import IntegrityError
+from ...integrity import crc32c_extend
 from . import shard_index
 from .blosc_read import blosc_layout, decode_chunk, stored_size_limit, stored_size_ok
 from .compat import chunk_key, regular_grid, sharding_document
@@ -174,7 +175,7 @@ class DirectReader:
         stored = self._unchecked.pop(number, None)
         if stored is None:
             return
-        crc = google_crc32c.value(words.reshape(-1).view(np.uint8))
+        crc = crc32c_extend(0, words.reshape(-1).view(np.uint8))
         if crc != stored:
             coords = tuple(int(c) for c in np.unravel_index(number, self._grid))
             raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")
@@ -234,7 +235,7 @@ class DirectReader:
         recorded = int.from_bytes(bytes(tail[pad:pad + 4]), "little")
         if not check:
             return recorded
-        words = google_crc32c.value(dst)
+        words = crc32c_extend(0, dst)
         crc = google_crc32c.extend(words, bytes(tail[:pad])) if pad else words
         if crc != recorded:
             raise self._fail(coords, f"fails its crc32c check (computed {crc:#010x})")

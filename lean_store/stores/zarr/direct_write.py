@@ -41,7 +41,7 @@ import google_crc32c
 import numpy as np
 
 from ...chunking import Region
-from ...integrity import crc32c_combine, crc32c_of
+from ...integrity import crc32c_combine, crc32c_extend, crc32c_of
 from ..blosc_frames import compress
 from ..ordered_pool import OrderedPool
 from . import shard_index
@@ -274,7 +274,7 @@ class DirectWriter:
         fd = os.open(path, _O_CREATE, 0o666)
         try:
             for j, part in enumerate(parts):
-                crc = int(google_crc32c.value(part))
+                crc = crc32c_extend(0, part)
                 unit_crc = crc32c_combine(unit_crc, crc, part.size)
                 pad = size - part.size  # an edge chunk: zarr pads it with the fill value 0
                 if pad:
