@@ -23,12 +23,13 @@ from json.encoder import encode_basestring_ascii as _encode_str
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
-import google_crc32c
 import numpy as np
 import zarr
 import zarr.errors
 import zarr.storage
 from zarr.codecs import BloscCodec, Crc32cCodec
+
+from ...integrity import crc32c_extend
 
 ZarrUserWarning: type[Warning] = getattr(zarr.errors, "ZarrUserWarning", UserWarning)
 """zarr's own warning class (zarr >= 3.1.x; plain ``UserWarning`` before it existed)."""
@@ -574,7 +575,7 @@ class LeanCrc32cCodec(Crc32cCodec):
         n = data.size
         out = np.empty(n + 4, np.uint8)
         out[:n] = data
-        out[n:] = np.array([google_crc32c.value(out[:n])], dtype="<u4").view(np.uint8)
+        out[n:] = np.array([crc32c_extend(0, out[:n])], dtype="<u4").view(np.uint8)
         return chunk_spec.prototype.buffer.from_array_like(out)
 
 
