@@ -42,7 +42,8 @@ def crc32c_extend(crc: int, data: Any) -> int:
     """CRC-32C of ``data``'s bytes (bytes, or a flat C-contiguous uint8 array) continuing
     from ``crc``, as ``google_crc32c.extend`` computes it; long buffers with the GIL
     released, so that other threads run meanwhile."""
-    if _RELEASED is not None and len(data) >= RELEASE_BYTES:
+    size = data.nbytes if hasattr(data, "nbytes") else len(data)  # an array: its bytes
+    if _RELEASED is not None and size >= RELEASE_BYTES:
         return int(_RELEASED(data, crc))
     return int(google_crc32c.extend(crc, data))
 
