@@ -28,7 +28,7 @@ def test_same_value_as_google_crc32c(size: int, start: int) -> None:
 
 
 def test_long_buffers_go_to_the_gil_releasing_library(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert integrity._RELEASED is not None  # a dependency: crc32c >= 2.5
+    assert integrity._RELEASED is not None  # a dependency: crc32c >= 2.7
     calls: list[int] = []
     real = integrity._RELEASED
 
