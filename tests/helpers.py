@@ -245,3 +245,10 @@ def to_slash_layout(path: Path) -> None:
     for doc in path.rglob("zarr.json"):
         text = doc.read_text()
         doc.write_text(text.replace('"separator": "."', '"separator": "/"'))
+
+
+def flip_bits(file: Path, at: int, mask: int) -> None:
+    """XOR the byte at offset ``at`` of ``file`` with ``mask`` (damage a stored chunk)."""
+    raw = bytearray(file.read_bytes())
+    raw[at] ^= mask
+    file.write_bytes(bytes(raw))

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from helpers import to_slash_layout
+from helpers import flip_bits, to_slash_layout
 
 import lean_store as ls
 from lean_store.stores.zarr.plain import plain_array
@@ -73,10 +73,7 @@ def test_slash_layout_of_earlier_saves_reads_through_the_direct_path(
         ck.verify()
         assert np.array_equal(ck["w"][40:50, 3:9], STATE["w"][40:50, 3:9])
     # a damaged chunk at its "/" key is found and named
-    chunk = path / "rows" / "c" / "1" / "0"
-    raw = bytearray(chunk.read_bytes())
-    raw[7] ^= 0x20
-    chunk.write_bytes(bytes(raw))
+    flip_bits(path / "rows" / "c" / "1" / "0", 7, 0x20)
     with pytest.raises(ls.IntegrityError, match=r"'rows'.*chunk \(1, 0\)"):
         ls.load_state(path)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from helpers import flip_bits
 
 import lean_store as ls
 from lean_store.stores import commit, fs_sync
@@ -246,10 +247,7 @@ def test_digest_follows_from_the_checked_chunk_crcs(tmp_path: Path,
 @pytest.mark.parametrize("chunk", ["0", "1", "3"])  # full chunks (read unchecked), the edge one
 def test_damaged_chunk_refused_on_load(tmp_path: Path, chunk: str) -> None:
     path = _big(tmp_path)
-    file = path / "x" / f"c.{chunk}.0"
-    raw = bytearray(file.read_bytes())
-    raw[1000] ^= 0x40
-    file.write_bytes(bytes(raw))
+    flip_bits(path / "x" / f"c.{chunk}.0", 1000, 0x40)
     with pytest.raises(ls.IntegrityError, match=rf"'x'.*chunk \({chunk}, 0\).*crc32c"):
         ls.load_state(path)
 
