@@ -6,6 +6,7 @@ h5py's low-level API."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,21 +71,37 @@ STATE = {
 }
 
 
-def _without_times(data: bytes) -> bytes:
-    """The file's bytes with each version 2 object header's times and its first chunk's
-    checksum (which covers them) zeroed: all that differs between two saves of one state."""
+def _without_times(data: bytes) -> tuple[bytes, bytes]:
+    """(the file's bytes with each version 2 object header's times and its first chunk's
+    checksum (which covers them) zeroed, the times). Two saves of one state differ in their
+    times alone, and, when those differ, in the root's header digests, which cover them."""
     out = bytearray(data)
+    times = []
     at = out.find(b"OHDR")
     while at >= 0:
         flags = out[at + 5]
         if out[at + 4] == 2 and flags & 0x20:
+            times.append(bytes(out[at + 6:at + 22]))
             out[at + 6:at + 22] = bytes(16)
             pos = at + 22 + (4 if flags & 0x10 else 0)
             width = 1 << (flags & 0x03)
             end = pos + width + int.from_bytes(out[pos:pos + width], "little")
             out[end:end + 4] = bytes(4)
         at = out.find(b"OHDR", at + 4)
-    return bytes(out)
+    return bytes(out), b"".join(times)
+
+
+def _saves_in_one_second(save: Any) -> None:
+    """Run ``save`` (several saves) so that they start and end in the same second of the
+    clock libhdf5 stamps headers with: started just after a second begins, again (up to
+    five times) when one ends meanwhile."""
+    for _ in range(5):
+        time.sleep(1.0 - time.time() % 1.0)  # the start of the next second
+        start = int(time.time())
+        save()
+        if int(time.time()) == start:
+            return
+    pytest.fail("four small saves never fitted in one second of the clock")
 
 
 def _general_write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> None:
@@ -101,15 +118,22 @@ def test_files_are_byte_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         pytest.fail("libhdf5 is not usable here, so the direct writes go untested")
     fixed = uuid.UUID(int=13)  # one save_id for every save
     monkeypatch.setattr(metadata, "uuid", SimpleNamespace(uuid4=lambda: fixed))
-    ls.save(STATE, tmp_path / "rows.h5", chunk_bytes=1024)
-    ls.save(STATE, tmp_path / "rows_again.h5", chunk_bytes=1024)  # templates reused
-    with monkeypatch.context() as m:
-        m.setattr(hdf5_store, "write_attrs", _general_write_attrs)
-        ls.save(STATE, tmp_path / "general.h5", chunk_bytes=1024)
-    with monkeypatch.context() as m:
-        m.setattr(attrs_module, "library", lambda: None)  # h5py's low-level API
-        ls.save(STATE, tmp_path / "h5py.h5", chunk_bytes=1024)
+
+    def saves() -> None:
+        for p in tmp_path.glob("*.h5"):
+            p.unlink()
+        ls.save(STATE, tmp_path / "rows.h5", chunk_bytes=1024)
+        ls.save(STATE, tmp_path / "rows_again.h5", chunk_bytes=1024)  # templates reused
+        with monkeypatch.context() as m:
+            m.setattr(hdf5_store, "write_attrs", _general_write_attrs)
+            ls.save(STATE, tmp_path / "general.h5", chunk_bytes=1024)
+        with monkeypatch.context() as m:
+            m.setattr(attrs_module, "library", lambda: None)  # h5py's low-level API
+            ls.save(STATE, tmp_path / "h5py.h5", chunk_bytes=1024)
+
+    _saves_in_one_second(saves)
     files = {p.stem: _without_times(p.read_bytes()) for p in tmp_path.glob("*.h5")}
+    assert len({times for _data, times in files.values()}) == 1  # one second's stamps
     assert files["rows"] == files["general"] == files["h5py"] == files["rows_again"]
     back = ls.load_state(tmp_path / "rows.h5")
     assert back.keys() == STATE.keys()
