@@ -113,6 +113,17 @@ KEY_SEPARATORS = ("/", ".")  # the direct layout's readers take either
 CHUNK_KEY_ENCODING: dict[str, Any] = {"name": "default", "separator": KEY_SEPARATOR}  # zarr
 
 
+def key_separator(doc: Any) -> str | None:
+    """The separator of ``doc``'s ``default`` chunk key encoding when it is one the direct
+    layout's readers and writers take (:data:`KEY_SEPARATORS`), else None."""
+    encoding = doc.get("chunk_key_encoding") if isinstance(doc, dict) else None
+    if not isinstance(encoding, dict) or encoding.get("name") != "default":
+        return None
+    config = encoding.get("configuration")
+    separator = config.get("separator") if isinstance(config, dict) else None
+    return separator if isinstance(separator, str) and separator in KEY_SEPARATORS else None
+
+
 def _fill_json(dtype: np.dtype) -> Any:
     """The fill value 0 as zarr writes it for ``dtype`` in ``zarr.json``."""
     if dtype.kind == "b":
@@ -622,7 +633,7 @@ __all__ = [
     "CHUNK_KEY_ENCODING", "KEY_SEPARATOR", "KEY_SEPARATORS",
     "blosc_document", "chunk_key", "codec_documents",
     "EncodedDocument", "consolidated_group_document", "crc32c_codec", "encoded_document",
-    "json_document_bytes", "key_of_document",
+    "json_document_bytes", "key_of_document", "key_separator",
     "local_root", "metadata_document", "plain_array_document", "plain_codecs", "regular_grid",
     "sharding_document",
     "store_and_prefix", "store_has",

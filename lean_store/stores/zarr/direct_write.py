@@ -45,7 +45,14 @@ from ...integrity import crc32c_combine, crc32c_extend, crc32c_of
 from ..blosc_frames import compress
 from ..ordered_pool import OrderedPool
 from . import shard_index
-from .compat import BLOSC_SHUFFLES, chunk_key, codec_documents, plain_codecs, sharding_document
+from .compat import (
+    BLOSC_SHUFFLES,
+    chunk_key,
+    codec_documents,
+    key_separator,
+    plain_codecs,
+    sharding_document,
+)
 
 INLINE_BYTES = 64 << 10  # chunks smaller than this are compressed on the caller
 
@@ -160,8 +167,7 @@ class DirectWriter:
         self._blosc = None if plain else _chunk_codecs(_inner_codecs(array))[1]
         # a plain document states the default chunk key encoding (by construction): its
         # separator, for keys made without a call per file
-        self._separator: str | None = \
-            array["chunk_key_encoding"]["configuration"]["separator"] if plain else None
+        self._separator = key_separator(array) if plain else None
         self._queue = queue  # Blosc chunks compressed on its pool (else on the caller)
         self._array = array
         self._linker = linker  # incremental steps: a lean_store.stores.zarr.incremental.UnitLinker
@@ -299,22 +305,10 @@ class DirectWriter:
             else chunk_key(self._array, coords)
         path = f"{self._root}/{key}"
         folder = path.rpartition("/")[0]
-        if folder not in self._made:
-            self._make_folders(folder)
+        if folder not in self._made:  # the array's own (keys "c.0.0"): one mkdir
+            make_dirs(folder)
+            self._made.add(folder)
         return key, path
-
-    def _make_folders(self, folder: str) -> None:
-        """``folder`` (below the array's own) and its parents, top down: one ``mkdir`` each
-        in a fresh tree, none failing."""
-        if not self._made:
-            make_dirs(self._root)
-            self._made.add(self._root)
-        at, below = self._root, folder[len(self._root) + 1:]
-        for part in below.split("/") if below else ():  # "c.0.0" keys: the array's own
-            at = f"{at}/{part}"
-            if at not in self._made:
-                make_dirs(at)
-                self._made.add(at)
 
     @property
     def made_folders(self) -> bool:

@@ -50,6 +50,7 @@ import numpy as np
 
 from ...errors import CheckpointError
 from ...fork_safe import ForkSafeLock
+from .compat import key_separator
 
 _CRC_BYTES = 4
 
@@ -224,23 +225,13 @@ def linker_for(new_array_dir: Path, node: str, metadata: dict[str, Any] | None =
         return None
     base_key = None
     if old != new:  # the same array but for the separator of its chunk keys: keys translated
-        old_sep, new_sep = _separator(old), _separator(new)
+        old_sep, new_sep = key_separator(old), key_separator(new)
         if old_sep is None or new_sep is None \
                 or {**old, "chunk_key_encoding": None} != {**new, "chunk_key_encoding": None}:
             return None
         base_key = partial(_translated_key, new_sep, old_sep)
     return UnitLinker(base_dir, new_array_dir, base.stats, base.writeback(new_array_dir),
                       base_key)
-
-
-def _separator(meta: dict[str, Any]) -> str | None:
-    """The separator of ``meta``'s default chunk key encoding ("." or "/"), else None."""
-    encoding = meta.get("chunk_key_encoding")
-    if not isinstance(encoding, dict) or encoding.get("name") != "default":
-        return None
-    config = encoding.get("configuration")
-    sep = config.get("separator") if isinstance(config, dict) else None
-    return sep if sep in (".", "/") else None
 
 
 def _translated_key(new_sep: str, old_sep: str, key: str) -> str:

@@ -27,7 +27,7 @@ from ...chunking import grid_shape
 from ...hardening import MAX_CHUNK_BYTES, MAX_RANK, MAX_SHARD_BYTES
 from . import shard_index
 from .blosc_read import blosc_layout
-from .compat import KEY_SEPARATOR, KEY_SEPARATORS, plain_array_document
+from .compat import KEY_SEPARATOR, key_separator, plain_array_document
 
 _DATA_TYPES = {
     name: np.dtype(name) for name in (
@@ -193,10 +193,8 @@ def _plain_array(node: str, doc: dict[str, Any]) -> PlainArray | None:
             or len(inner) not in (2, 3) or not all(isinstance(c, dict) for c in inner):
         return None
     compressor = inner[1] if len(inner) == 3 else None
-    encoding = doc.get("chunk_key_encoding")
-    config = encoding.get("configuration") if isinstance(encoding, dict) else None
-    separator = config.get("separator") if isinstance(config, dict) else None
-    if not isinstance(separator, str) or separator not in KEY_SEPARATORS:
+    separator = key_separator(doc)
+    if separator is None:
         return None
     rebuilt = plain_array_document(shape, dtype, chunks, shards, doc["attributes"], names,
                                    compressor, separator)
