@@ -30,6 +30,7 @@ import zarr.storage
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from ...integrity import crc32c_extend
+from .chunk_keys import KEY_SEPARATOR
 
 ZarrUserWarning: type[Warning] = getattr(zarr.errors, "ZarrUserWarning", UserWarning)
 """zarr's own warning class (zarr >= 3.1.x; plain ``UserWarning`` before it existed)."""
@@ -103,26 +104,6 @@ def plain_codecs(codecs: Sequence[dict[str, Any]]) -> bool:
 
 
 # ---------------------------------------------------------------- metadata written directly
-
-# The chunk key separator of the arrays lean_store writes: ``c.0.0`` in the array's own folder
-# (one folder per array) instead of zarr's default ``c/0/0`` (one folder per axis more, each a
-# ``mkdir`` on save and a listing on load). Both are the spec's default chunk key encoding;
-# checkpoints written with "/" are read as before.
-KEY_SEPARATOR = "."
-KEY_SEPARATORS = ("/", ".")  # the direct layout's readers take either
-CHUNK_KEY_ENCODING: dict[str, Any] = {"name": "default", "separator": KEY_SEPARATOR}  # zarr
-
-
-def key_separator(doc: Any) -> str | None:
-    """The separator of ``doc``'s ``default`` chunk key encoding when it is one the direct
-    layout's readers and writers take (:data:`KEY_SEPARATORS`), else None."""
-    encoding = doc.get("chunk_key_encoding") if isinstance(doc, dict) else None
-    if not isinstance(encoding, dict) or encoding.get("name") != "default":
-        return None
-    config = encoding.get("configuration")
-    separator = config.get("separator") if isinstance(config, dict) else None
-    return separator if isinstance(separator, str) and separator in KEY_SEPARATORS else None
-
 
 def _fill_json(dtype: np.dtype) -> Any:
     """The fill value 0 as zarr writes it for ``dtype`` in ``zarr.json``."""
@@ -630,10 +611,9 @@ def writing_empty_chunks(array: Any) -> Any:
 
 __all__ = [
     "BLOSC_SHUFFLES", "LEAN_ENCODER", "LeanCrc32cCodec",
-    "CHUNK_KEY_ENCODING", "KEY_SEPARATOR", "KEY_SEPARATORS",
     "blosc_document", "chunk_key", "codec_documents",
     "EncodedDocument", "consolidated_group_document", "crc32c_codec", "encoded_document",
-    "json_document_bytes", "key_of_document", "key_separator",
+    "json_document_bytes", "key_of_document",
     "local_root", "metadata_document", "plain_array_document", "plain_codecs", "regular_grid",
     "sharding_document",
     "store_and_prefix", "store_has",

@@ -45,11 +45,11 @@ from ...integrity import crc32c_combine, crc32c_extend, crc32c_of
 from ..blosc_frames import compress
 from ..ordered_pool import OrderedPool
 from . import shard_index
+from .chunk_keys import key_separator
 from .compat import (
     BLOSC_SHUFFLES,
     chunk_key,
     codec_documents,
-    key_separator,
     plain_codecs,
     sharding_document,
 )

@@ -50,7 +50,7 @@ import numpy as np
 
 from ...errors import CheckpointError
 from ...fork_safe import ForkSafeLock
-from .compat import key_separator
+from .chunk_keys import key_separator
 
 _CRC_BYTES = 4
 

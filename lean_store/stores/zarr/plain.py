@@ -27,7 +27,8 @@ from ...chunking import grid_shape
 from ...hardening import MAX_CHUNK_BYTES, MAX_RANK, MAX_SHARD_BYTES
 from . import shard_index
 from .blosc_read import blosc_layout
-from .compat import KEY_SEPARATOR, key_separator, plain_array_document
+from .chunk_keys import KEY_SEPARATOR, key_separator
+from .compat import plain_array_document
 
 _DATA_TYPES = {
     name: np.dtype(name) for name in (

@@ -34,8 +34,8 @@ from ...naming import node_name
 from .. import sharded_layout
 from ..commit import is_url
 from ..sharded_layout import RankShardWriter, ShardedLayout
+from .chunk_keys import CHUNK_KEY_ENCODING
 from .compat import (
-    CHUNK_KEY_ENCODING,
     consolidated_group_document,
     encoded_document,
     json_document_bytes,

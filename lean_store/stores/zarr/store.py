@@ -53,8 +53,8 @@ from .checks import (
     scan_local_zarr,
     touched_keys,
 )
+from .chunk_keys import CHUNK_KEY_ENCODING
 from .compat import (
-    CHUNK_KEY_ENCODING,
     EncodedDocument,
     ZarrUserWarning,
     blosc_document,
