@@ -54,6 +54,12 @@ class LocalTree:
         prefix = f"{node}/"
         return [k for k in self.files if k.startswith(prefix)]
 
+    def documented_nodes(self) -> list[str]:
+        """The folders directly under the root that hold a ``zarr.json``: the arrays (and any
+        group) the tree holds, whatever the root's consolidated metadata lists."""
+        return [key[:-10] for key in self.files
+                if key.endswith("/zarr.json") and key.find("/") == len(key) - 10]
+
     def size(self, key: str) -> int:
         """The size of the file ``key`` the walk found (KeyError for any other key), read with
         an ``lstat`` the first time it is asked. A file no longer there, or no longer a

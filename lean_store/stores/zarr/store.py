@@ -553,13 +553,20 @@ class ZarrReader(StoreReader):
             self._watch.close()
 
     def nodes(self) -> list[str]:
+        """The arrays the root lists (its consolidated metadata, else zarr's listing), and in
+        a local store every other node directly under the root that holds a ``zarr.json``
+        (an array added by another tool, which left the consolidated metadata as it was):
+        reported as not in the layout, as an HDF5 dataset outside the manifest is."""
         if self._plain is not None:
-            return sorted(self._plain)
-        try:
-            names = sorted(name for name, _ in self._group.arrays())
-        except Exception as exc:
-            raise IntegrityError(f"unreadable Zarr group listing ({exc})") from None
-        return names
+            names = set(self._plain)
+        else:
+            try:
+                names = {name for name, _ in self._group.arrays()}
+            except Exception as exc:
+                raise IntegrityError(f"unreadable Zarr group listing ({exc})") from None
+        if self._tree is not None:
+            names.update(self._tree.documented_nodes())
+        return sorted(names)
 
     def _array(self, node: str) -> zarr.Array | PlainArray:
         array = self._arrays.get(node)
