@@ -57,8 +57,9 @@ class LocalTree:
     def documented_nodes(self) -> list[str]:
         """The folders directly under the root that hold a ``zarr.json``: the arrays (and any
         group) the tree holds, whatever the root's consolidated metadata lists."""
-        return [key[:-10] for key in self.files
-                if key.endswith("/zarr.json") and key.find("/") == len(key) - 10]
+        tail = "/zarr.json"
+        return [key[:-len(tail)] for key in self.files
+                if key.endswith(tail) and key.find("/") == len(key) - len(tail)]
 
     def size(self, key: str) -> int:
         """The size of the file ``key`` the walk found (KeyError for any other key), read with
