@@ -4,6 +4,7 @@ linker, imported with ``lean_store``, needs it without loading zarr."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 # ``c.0.0`` in the array's own folder (one folder per array) instead of zarr's default
@@ -25,4 +26,11 @@ def key_separator(doc: Any) -> str | None:
     return separator if isinstance(separator, str) and separator in KEY_SEPARATORS else None
 
 
-__all__ = ["CHUNK_KEY_ENCODING", "KEY_SEPARATOR", "KEY_SEPARATORS", "key_separator"]
+def default_chunk_key(separator: str, coords: Iterable[int | str]) -> str:
+    """The key (relative to the array) of the chunk at grid ``coords`` in the ``default``
+    chunk key encoding with ``separator``: ``c.0.1`` (``c`` alone for no axes)."""
+    return "c" + "".join(separator + str(c) for c in coords)
+
+
+__all__ = ["CHUNK_KEY_ENCODING", "KEY_SEPARATOR", "KEY_SEPARATORS", "default_chunk_key",
+           "key_separator"]

@@ -30,7 +30,7 @@ import zarr.storage
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from ...integrity import crc32c_extend
-from .chunk_keys import KEY_SEPARATOR
+from .chunk_keys import KEY_SEPARATOR, default_chunk_key
 
 ZarrUserWarning: type[Warning] = getattr(zarr.errors, "ZarrUserWarning", UserWarning)
 """zarr's own warning class (zarr >= 3.1.x; plain ``UserWarning`` before it existed)."""
@@ -508,8 +508,7 @@ def key_of_document(doc: dict[str, Any], coords: Sequence[int]) -> str:
     if enc.get("name") == "v2":
         sep = sep or "."
         return sep.join(map(str, coords)) if coords else "0"
-    sep = sep or "/"
-    return "c" + "".join(sep + str(c) for c in coords)
+    return default_chunk_key(sep or "/", coords)
 
 
 # --------------------------------------------------------------------------------- stores

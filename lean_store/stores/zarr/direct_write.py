@@ -45,7 +45,7 @@ from ...integrity import crc32c_combine, crc32c_extend, crc32c_of
 from ..blosc_frames import compress
 from ..ordered_pool import OrderedPool
 from . import shard_index
-from .chunk_keys import key_separator
+from .chunk_keys import default_chunk_key, key_separator
 from .compat import (
     BLOSC_SHUFFLES,
     chunk_key,
@@ -301,7 +301,7 @@ class DirectWriter:
         unit = self._shards or self._chunks
         coords = tuple(s.start // u for s, u in zip(region, unit))
         sep = self._separator
-        key = "c" + sep + sep.join(map(str, coords)) if sep is not None and coords \
+        key = default_chunk_key(sep, coords) if sep is not None \
             else chunk_key(self._array, coords)
         path = f"{self._root}/{key}"
         folder = path.rpartition("/")[0]

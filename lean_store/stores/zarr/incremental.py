@@ -50,7 +50,7 @@ import numpy as np
 
 from ...errors import CheckpointError
 from ...fork_safe import ForkSafeLock
-from .chunk_keys import key_separator
+from .chunk_keys import default_chunk_key, key_separator
 
 _CRC_BYTES = 4
 
@@ -240,7 +240,7 @@ def _translated_key(new_sep: str, old_sep: str, key: str) -> str:
     head = "c" + new_sep
     if not key.startswith(head):
         return key
-    return "c" + "".join(old_sep + part for part in key[len(head):].split(new_sep))
+    return default_chunk_key(old_sep, key[len(head):].split(new_sep))
 
 
 def _metadata(array_dir: Path) -> dict[str, Any] | None:
@@ -267,13 +267,17 @@ class UnitLinker:
         self._new_dir = new_dir
         self.stats = stats
 
+    def _base_path(self, key: str) -> Path:
+        """The base's file of the unit whose key (in the new array) is ``key``."""
+        return self._base_dir / (key if self._base_key is None else self._base_key(key))
+
     def link_or_write(self, path: Path, key: str, pieces: list[Any]) -> bytes | None:
         """Create ``path`` (absent) holding ``pieces`` in order: as a hard link to the base's
         file at ``key`` when that holds exactly these bytes, else by writing them. A piece
         may be a callable giving its bytes (a chunk's CRC-32C word, being computed on the CRC
         workers): it is asked for once the other bytes compared equal, and the base's word
         must equal it. A linked file's word at that place is returned (the same value)."""
-        base = self._base_dir / (key if self._base_key is None else self._base_key(key))
+        base = self._base_path(key)
         same, word = _same_bytes(base, pieces, link_to=path)
         if same:
             with _STATS_LOCK:  # units may be linked on two workers at once
@@ -297,7 +301,7 @@ class UnitLinker:
         link to the base's file when the bytes are identical (saves space, not the write)."""
         path = self._new_dir / key
         size = path.stat().st_size
-        base = self._base_dir / (key if self._base_key is None else self._base_key(key))
+        base = self._base_path(key)
         if size >= _CRC_BYTES:
             data = np.fromfile(path, dtype=np.uint8)
             tmp = path.with_name(f".{path.name}.link")

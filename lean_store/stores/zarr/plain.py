@@ -27,7 +27,7 @@ from ...chunking import grid_shape
 from ...hardening import MAX_CHUNK_BYTES, MAX_RANK, MAX_SHARD_BYTES
 from . import shard_index
 from .blosc_read import blosc_layout
-from .chunk_keys import KEY_SEPARATOR, key_separator
+from .chunk_keys import KEY_SEPARATOR, default_chunk_key, key_separator
 from .compat import plain_array_document
 
 _DATA_TYPES = {
@@ -70,8 +70,7 @@ class PlainArray:
         whole and checks its length (one byte more asked), so the walk of the tree need not
         ``stat`` it (:func:`.checks.check_zarr_present`)."""
         if self.shards is None and not self.compressed and self._one_chunk:
-            sep = self.separator  # the key of chunk (0, ..., 0), as files() gives it
-            return (f"{self.node}/c{sep}{sep.join('0' * len(self.shape))}",
+            return (f"{self.node}/{self.key((0,) * len(self.shape))}",
                     math.prod(self.chunks) * self.dtype.itemsize + 4)
         return None
 
@@ -83,8 +82,7 @@ class PlainArray:
     def key(self, coords: tuple[int, ...]) -> str:
         """The key (relative to the array) of the chunk (shard) file at grid ``coords``: the
         default chunk key encoding with the document's separator."""
-        sep = self.separator
-        return "c" + sep + sep.join(map(str, coords))
+        return default_chunk_key(self.separator, coords)
 
     def codec_names(self) -> tuple[list[str], list[str]]:
         """(outer, inner) codec class names, as :func:`.checks.codec_names` gives zarr's."""
