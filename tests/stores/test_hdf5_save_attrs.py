@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import h5py
 import numpy as np
 import pytest
 
@@ -71,39 +72,6 @@ STATE = {
 }
 
 
-def _without_times(data: bytes) -> tuple[bytes, bytes]:
-    """(the file's bytes with each version 2 object header's times and its first chunk's
-    checksum (which covers them) zeroed, the times). Two saves of one state differ in their
-    times alone, and, when those differ, in the root's header digests, which cover them."""
-    out = bytearray(data)
-    times = []
-    at = out.find(b"OHDR")
-    while at >= 0:
-        flags = out[at + 5]
-        if out[at + 4] == 2 and flags & 0x20:
-            times.append(bytes(out[at + 6:at + 22]))
-            out[at + 6:at + 22] = bytes(16)
-            pos = at + 22 + (4 if flags & 0x10 else 0)
-            width = 1 << (flags & 0x03)
-            end = pos + width + int.from_bytes(out[pos:pos + width], "little")
-            out[end:end + 4] = bytes(4)
-        at = out.find(b"OHDR", at + 4)
-    return bytes(out), b"".join(times)
-
-
-def _saves_in_one_second(save: Any) -> None:
-    """Run ``save`` (several saves) so that they start and end in the same second of the
-    clock libhdf5 stamps headers with: started just after a second begins, again (up to
-    five times) when one ends meanwhile."""
-    for _ in range(5):
-        time.sleep(1.0 - time.time() % 1.0)  # the start of the next second
-        start = int(time.time())
-        save()
-        if int(time.time()) == start:
-            return
-    pytest.fail("four small saves never fitted in one second of the clock")
-
-
 def _general_write_attrs(oid: Any, attrs: dict[str, Any], *, replace: bool = False) -> None:
     """Every attribute through encode_attr, straight into libhdf5: main's save path."""
     assert not replace
@@ -119,23 +87,53 @@ def test_files_are_byte_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     fixed = uuid.UUID(int=13)  # one save_id for every save
     monkeypatch.setattr(metadata, "uuid", SimpleNamespace(uuid4=lambda: fixed))
 
-    def saves() -> None:
-        for p in tmp_path.glob("*.h5"):
-            p.unlink()
-        ls.save(STATE, tmp_path / "rows.h5", chunk_bytes=1024)
-        ls.save(STATE, tmp_path / "rows_again.h5", chunk_bytes=1024)  # templates reused
-        with monkeypatch.context() as m:
-            m.setattr(hdf5_store, "write_attrs", _general_write_attrs)
-            ls.save(STATE, tmp_path / "general.h5", chunk_bytes=1024)
-        with monkeypatch.context() as m:
-            m.setattr(attrs_module, "library", lambda: None)  # h5py's low-level API
-            ls.save(STATE, tmp_path / "h5py.h5", chunk_bytes=1024)
-
-    _saves_in_one_second(saves)
-    files = {p.stem: _without_times(p.read_bytes()) for p in tmp_path.glob("*.h5")}
-    assert len({times for _data, times in files.values()}) == 1  # one second's stamps
+    ls.save(STATE, tmp_path / "rows.h5", chunk_bytes=1024)
+    time.sleep(1.0 - time.time() % 1.0 + 0.01)  # the next second: saves' clocks differ
+    ls.save(STATE, tmp_path / "rows_again.h5", chunk_bytes=1024)  # templates reused
+    with monkeypatch.context() as m:
+        m.setattr(hdf5_store, "write_attrs", _general_write_attrs)
+        ls.save(STATE, tmp_path / "general.h5", chunk_bytes=1024)
+    with monkeypatch.context() as m:
+        m.setattr(attrs_module, "library", lambda: None)  # h5py's low-level API
+        ls.save(STATE, tmp_path / "h5py.h5", chunk_bytes=1024)
+    files = {p.stem: p.read_bytes() for p in tmp_path.glob("*.h5")}
     assert files["rows"] == files["general"] == files["h5py"] == files["rows_again"]
     back = ls.load_state(tmp_path / "rows.h5")
     assert back.keys() == STATE.keys()
     for key, value in STATE.items():
         assert np.asarray(back[key]).tobytes() == np.asarray(value).tobytes()
+
+
+def _headers_with_times(data: bytes) -> int:
+    """How many version 2 object headers of the file record times (flag bit 5)."""
+    count, at = 0, data.find(b"OHDR")
+    while at >= 0:
+        count += data[at + 4] == 2 and bool(data[at + 5] & 0x20)
+        at = data.find(b"OHDR", at + 4)
+    return count
+
+
+def test_datasets_record_no_times(tmp_path: Path) -> None:
+    path = tmp_path / "c.h5"
+    ls.save(STATE, path, chunk_bytes=1024)
+    with h5py.File(path, "r") as f:
+        assert len(f) == len(STATE)
+        for name in f:
+            assert f[name].id.get_create_plist().get_obj_track_times() == 0, name
+    assert _headers_with_times(path.read_bytes()) == 0
+
+
+def test_datasets_with_times_still_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    """A file of before (each dataset's header with its times) loads, by the header path and
+    its digests as before, and verifies."""
+    monkeypatch.setattr(hdf5_store, "TRACK_TIMES", True)
+    path = tmp_path / "c.h5"
+    ls.save(STATE, path, chunk_bytes=1024)
+    assert _headers_with_times(path.read_bytes()) == len(STATE)
+    with h5py.File(path, "r") as f:
+        assert "header_digests" in f.attrs
+    back = ls.load_state(path)
+    for key, value in STATE.items():
+        assert np.asarray(back[key]).tobytes() == np.asarray(value).tobytes()
+    assert ls.verify(path).ok

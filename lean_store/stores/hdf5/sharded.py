@@ -56,7 +56,7 @@ from .master_manifest import (
     parse_master_manifest,
 )
 from .master_manifest import record_json as master_record_json
-from .store import ATTR_PHASE_CHANGE, HDF5Reader, HDF5Writer
+from .store import ATTR_PHASE_CHANGE, TRACK_TIMES, HDF5Reader, HDF5Writer
 from .types import hdf5_type, storage_kind
 
 MASTER_NAME = "lean_store.h5"
@@ -173,6 +173,7 @@ def open_master_datasets(work: str, world: int, plans: list[TensorPlan],
                 ftype = ftypes[entry.format] = hdf5_type(entry.format)
             dcpl = h5p.create(h5p.DATASET_CREATE)
             dcpl.set_attr_phase_change(*ATTR_PHASE_CHANGE)  # attributes in the object header
+            dcpl.set_obj_track_times(TRACK_TIMES)
             if math.prod(shape) == 0:
                 dcpl.set_chunk(plan_chunks(shape, ftype.get_size(), chunk_bytes))
                 dcpl.set_fletcher32()

@@ -97,6 +97,10 @@ attributes of every lean_store dataset to dense storage (a fractal heap and B-tr
 compact in the object header they cost less to write and read (docs/FORMAT.md 2.5)."""
 SPLIT_READ_BYTES = 2 << 20
 """A chunk read whole of at least this many bytes is read in two halves on two threads."""
+TRACK_TIMES = False
+"""Datasets' object headers hold no times (docs/FORMAT.md 2.5): a state saved again gives the
+same headers, digests and bytes whatever the clock says (only ``save_id`` differs). Files of
+before have them; readers accept both."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
 MAX_PLANS = 256  # distinct (format, shape) dataset plans a writer keeps (see HDF5Writer._plan)
 CONFIRM_MISSES = 8  # datasets whose headers a reader confirms through libhdf5 in vain at open
@@ -412,6 +416,7 @@ class HDF5Writer(StoreWriter):
         dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
         dcpl.set_alloc_time(h5d.ALLOC_TIME_INCR)
         dcpl.set_attr_phase_change(*ATTR_PHASE_CHANGE)  # attributes in the object header
+        dcpl.set_obj_track_times(TRACK_TIMES)
         nbit = needs_nbit(fmt)
         if nbit:
             dcpl.set_filter(h5z.FILTER_NBIT, 0, ())
