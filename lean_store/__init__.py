@@ -15,6 +15,7 @@ from .async_save import SaveHandle
 from .checkpoint import Checkpoint, LoadResult, TensorHandle, load_state, open
 from .encoded import Encoded
 from .errors import (
+    CheckpointBusyError,
     CheckpointError,
     CheckpointReplacedError,
     ForeignPathError,
@@ -42,6 +43,7 @@ from .training import (
 
 __all__ = [
     "Checkpoint",
+    "CheckpointBusyError",
     "Checkpointer",
     "CheckpointError",
     "CheckpointReplacedError",

@@ -110,6 +110,22 @@ class CheckpointReplacedError(CheckpointError):
         )
 
 
+class CheckpointBusyError(CheckpointError):
+    """An HDF5 checkpoint file is open for writing in another process (HDF5's file lock is
+    held there), so lean_store does not read it: its bytes may be changing. Nothing is wrong
+    with the file. ``path``: the file."""
+
+    def __init__(self, path: object, detail: str = "") -> None:
+        self.path = str(path)
+        more = f" ({detail})" if detail else ""
+        super().__init__(
+            f"{self.path} is open for writing in another process, which holds HDF5's lock on "
+            f"it{more}; lean_store does not read a checkpoint that may be changing. Close it "
+            "there (h5py.File(path, 'r') reads it without blocking others), or set "
+            "HDF5_USE_FILE_LOCKING=FALSE to read it anyway (every chunk is still checked)"
+        )
+
+
 class UnsupportedValueError(CheckpointError):
     """A state entry cannot be stored as a tensor (not a tensor, sparse, meta, quantized, ...);
     the message names the entry and what to do instead."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, ForeignPathError
+from ..errors import CheckpointBusyError, CheckpointError, ForeignPathError
 from .json_top import last_member, leading_members, top_level_members
 
 FORMAT_NAME = "lean_store"  # the root attribute ``lean_store`` of every checkpoint holds this
@@ -242,7 +242,10 @@ def _hdf5_is_lean_store(path: Path, *, quiet: bool = True) -> bool:
     """Read the root attribute ``lean_store`` of an HDF5 file, when it is a short fixed-length
     string (what lean_store writes; a variable-length string would be read from the global heap,
     which lean_store never touches in a file it did not vet). ``quiet``: False when a file that
-    cannot be opened should raise h5py's error rather than count as not lean_store's."""
+    cannot be opened should raise h5py's error rather than count as not lean_store's. A file
+    another process holds open for writing is read without HDF5's lock: only this attribute
+    is read, to know whether a save may replace the file (by a rename: the file itself is
+    never written)."""
     import h5py
 
     from .hdf5.files import open_file
@@ -250,7 +253,10 @@ def _hdf5_is_lean_store(path: Path, *, quiet: bool = True) -> bool:
     if _regular(path) is None or not _is_hdf5(path):
         return False
     try:
-        f = open_file(path, "r")
+        try:
+            f = open_file(path, "r")
+        except CheckpointBusyError:
+            f = open_file(path, "r", locking=False)
     except Exception:  # noqa: BLE001 - h5py raises many types for damaged files
         if quiet:
             return False

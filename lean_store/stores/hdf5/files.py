@@ -21,6 +21,7 @@ with it there reaches neither the parent's file nor its checkpoint.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import tempfile
@@ -28,16 +29,34 @@ from typing import Any
 
 import h5py
 
+from ...errors import CheckpointBusyError
 from ...fork_safe import ForkSafeLock
 
 DRIVER = "sec2"
 
 
 def open_file(source: Any, mode: str, **kwargs: Any) -> h5py.File:
-    """``h5py.File(source, mode, **kwargs)``, with ``driver="sec2"`` when ``source`` is a path."""
+    """``h5py.File(source, mode, **kwargs)``, with ``driver="sec2"`` when ``source`` is a path.
+    A file another process holds open for writing (HDF5's file lock): CheckpointBusyError."""
     if isinstance(source, (str, bytes, os.PathLike)):
         kwargs["driver"] = DRIVER
-    return h5py.File(source, mode, **kwargs)
+    try:
+        return h5py.File(source, mode, **kwargs)
+    except OSError as exc:
+        if is_lock_conflict(exc):
+            raise CheckpointBusyError(os.fsdecode(source) if isinstance(
+                source, (str, bytes, os.PathLike)) else source, str(exc)) from None
+        raise
+
+
+_LOCK_ERRNOS = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES)
+
+
+def is_lock_conflict(exc: OSError) -> bool:
+    """True when h5py's ``exc`` says HDF5 could not take its lock on the file: another process
+    has it open for writing (or, opening to write, for reading). HDF5 (1.10.7 to 2.0) says
+    "unable to lock file" with the ``flock``/``fcntl`` errno."""
+    return "unable to lock file" in str(exc) and exc.errno in (*_LOCK_ERRNOS, None)
 
 
 _WRITING: dict[int, int] = {}  # token -> HDF5's descriptor of a file lean_store is writing
