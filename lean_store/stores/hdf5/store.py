@@ -99,8 +99,8 @@ SPLIT_READ_BYTES = 2 << 20
 """A chunk read whole of at least this many bytes is read in two halves on two threads."""
 TRACK_TIMES = False
 """Datasets' object headers hold no times (docs/FORMAT.md 2.5): a state saved again gives the
-same headers, digests and bytes whatever the clock says (only ``save_id`` differs). Files of
-before have them; readers accept both."""
+same dataset headers and header digests whatever the clock says. Files of before have them;
+readers accept both."""
 LIBVER = ("v108", "v108")  # readable by HDF5 1.8+ (Debian's h5dump 1.10), large attributes allowed
 MAX_PLANS = 256  # distinct (format, shape) dataset plans a writer keeps (see HDF5Writer._plan)
 CONFIRM_MISSES = 8  # datasets whose headers a reader confirms through libhdf5 in vain at open
