@@ -1,15 +1,18 @@
-"""An HDF5 checkpoint another process holds open for writing (h5py's ``"r+"`` or ``"a"``, an
-HDF5 viewer opening files read-write): HDF5's file lock is held there.
+"""HDF5's file locks. An HDF5 checkpoint another process holds open for writing (h5py's
+``"r+"`` or ``"a"``, an HDF5 viewer opening files read-write) has HDF5's lock held there.
 
 Reading it is refused with :class:`lean_store.CheckpointBusyError`, which says so and how to
 go on, not an ``IntegrityError`` that calls a sound file corrupt; a save over it replaces it
 (by a rename: the other process keeps the file it opened); a reader sharing the lock
-(``"r"``) blocks nothing.
+(``"r"``) blocks nothing. On a file system without locks (NFS mounted ``nolock``: ``flock``
+fails with ENOLCK) saves and loads work as anywhere else.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +24,7 @@ import pytest
 
 import lean_store as ls
 from lean_store import CheckpointBusyError, IntegrityError
-from lean_store.stores.hdf5.files import is_lock_conflict
+from lean_store.stores.hdf5.files import LOCKING_OPTION, is_lock_conflict
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD = {"w": np.arange(10, dtype=np.float32), "b": np.arange(3, dtype=np.int64)}
@@ -130,3 +133,44 @@ def test_only_hdf5s_lock_failure_counts_as_busy() -> None:
     assert not is_lock_conflict(OSError(2, "Unable to synchronously open file (file signature "
                                            "not found)"))
     assert not is_lock_conflict(FileNotFoundError(2, "unable to lock file"))
+
+
+NO_LOCKS_SHIM = """
+#include <errno.h>
+int flock(int fd, int operation) { (void)fd; (void)operation; errno = ENOLCK; return -1; }
+"""
+
+
+def test_a_file_system_without_locks(tmp_path: Path) -> None:
+    """Every ``flock`` fails with ENOLCK ("No locks available", NFS without its lock daemon),
+    through a preloaded ``flock``: HDF5 then failed every save ("cannot save: No locks
+    available") and every load."""
+    assert LOCKING_OPTION  # h5py's wheels: HDF5 1.14+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the flock shim with")
+    (tmp_path / "shim.c").write_text(NO_LOCKS_SHIM)
+    shim = tmp_path / "noflock.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "shim.c")],
+                   check=True, capture_output=True, timeout=120)
+    script = (
+        "import sys, fcntl, numpy as np, lean_store as ls\n"
+        "try:\n"
+        "    fcntl.flock(sys.stdin.fileno(), fcntl.LOCK_SH)\n"
+        "except OSError as e:\n"
+        "    print('flock', e.errno)\n"
+        "path = sys.argv[1]\n"
+        "ls.save({'w': np.arange(5, dtype=np.float32)}, path)\n"
+        "print(ls.load_state(path)['w'].tolist(), ls.verify(path).ok)\n"
+        "ls.save({'w': np.arange(6, dtype=np.float32)}, path)\n"
+        "print(ls.load_state(path)['w'].tolist())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "c.h5")],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "LD_PRELOAD": str(shim)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == [
+        f"flock {errno.ENOLCK}",  # the shim is in force
+        "[0.0, 1.0, 2.0, 3.0, 4.0] True",
+        "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]",
+    ]

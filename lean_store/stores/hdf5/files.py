@@ -37,26 +37,43 @@ DRIVER = "sec2"
 
 def open_file(source: Any, mode: str, **kwargs: Any) -> h5py.File:
     """``h5py.File(source, mode, **kwargs)``, with ``driver="sec2"`` when ``source`` is a path.
-    A file another process holds open for writing (HDF5's file lock): CheckpointBusyError."""
+
+    HDF5 locks the file it opens (``flock``). A file another process holds open for writing
+    (that lock taken there): :class:`CheckpointBusyError`. A file system without locks (NFS
+    mounted ``nolock``: "No locks available"): opened again without HDF5's lock, since no
+    process can hold one there either."""
     if isinstance(source, (str, bytes, os.PathLike)):
         kwargs["driver"] = DRIVER
     try:
         return h5py.File(source, mode, **kwargs)
     except OSError as exc:
+        if not _lock_failure(exc):
+            raise
+        if exc.errno in _NO_LOCKS and LOCKING_OPTION and "locking" not in kwargs:
+            return h5py.File(source, mode, locking=False, **kwargs)
         if is_lock_conflict(exc):
             raise CheckpointBusyError(os.fsdecode(source) if isinstance(
                 source, (str, bytes, os.PathLike)) else source, str(exc)) from None
         raise
 
 
-_LOCK_ERRNOS = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES)
+_CONFLICT_ERRNOS = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES)
+_NO_LOCKS = frozenset((errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP,
+                       524))  # 524: Linux's ENOTSUPP, which NFS returns
+LOCKING_OPTION = h5py.version.hdf5_version_tuple >= (1, 12, 1) or (
+    (1, 10, 7) <= h5py.version.hdf5_version_tuple < (1, 11))
+"""h5py's ``locking`` option needs HDF5 1.12.1+ or 1.10.7+ (h5py's wheels bundle 1.14+)."""
+
+
+def _lock_failure(exc: OSError) -> bool:
+    return "unable to lock file" in str(exc)
 
 
 def is_lock_conflict(exc: OSError) -> bool:
-    """True when h5py's ``exc`` says HDF5 could not take its lock on the file: another process
-    has it open for writing (or, opening to write, for reading). HDF5 (1.10.7 to 2.0) says
-    "unable to lock file" with the ``flock``/``fcntl`` errno."""
-    return "unable to lock file" in str(exc) and exc.errno in (*_LOCK_ERRNOS, None)
+    """True when h5py's ``exc`` says HDF5 could not take its lock on the file because another
+    process holds it: open for writing (or, opening to write, for reading). HDF5 (1.10.7 to
+    2.0) says "unable to lock file" with the ``flock`` errno."""
+    return _lock_failure(exc) and exc.errno in (*_CONFLICT_ERRNOS, None)
 
 
 _WRITING: dict[int, int] = {}  # token -> HDF5's descriptor of a file lean_store is writing
@@ -68,7 +85,11 @@ def open_for_writing(path: str | os.PathLike[str], mode: str = "w", **kwargs: An
                      ) -> tuple[h5py.File, int | None]:
     """``open_file(path, mode, **kwargs)`` (a writing mode) and its token for
     :func:`close_written`. No fork happens between the two (the before-fork hook waits for
-    them): a child never holds the file unrecorded."""
+    them): a child never holds the file unrecorded. Without HDF5's file lock: lean_store
+    writes only its own temporaries, which no other process opens, and a lock there guards
+    nothing but fails every save on a file system without locks."""
+    if LOCKING_OPTION:
+        kwargs.setdefault("locking", False)
     with _WRITING_LOCK:
         file = open_file(path, mode, **kwargs)
         try:
