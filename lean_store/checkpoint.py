@@ -33,6 +33,7 @@ from .metadata import check_stored, parse_root
 from .progress import make_progress
 from .read_ahead import read_all
 from .sources import TargetTensor, tensor_source, tensor_targets
+from .sources.compiled import respelled, spelled_as
 from .stores.base import ChunkProblem, Selection, StorageDescription, StoredTensor
 from .stores.commit import is_url
 from .stores.registry import open_reader
@@ -635,14 +636,18 @@ def load(
     or DTensors / ``LocalShard`` values) go to :mod:`lean_store.distributed` instead.
     """
     casts = _casts(cast)
-    targets = tensor_targets(target)
-    target_layout = Layout.from_specs(
-        [(n, t.entry.shape, t.entry.format) for n, t in targets.items()]
+    given = tensor_targets(target)
+    given_layout = Layout.from_specs(
+        [(n, t.entry.shape, t.entry.format) for n, t in given.items()]
     )
     touched: list[bool] = []  # set once anything was copied into the target
 
     def load_from(ck: Checkpoint) -> LoadResult:
-        expected = expected_with_casts(ck.layout, target_layout, casts)
+        # a module's names as ``ck`` spells them (torch.compile's ``_orig_mod``)
+        spelling = spelled_as(given, ck.layout.names())
+        targets = respelled(given, spelling)
+        target_layout = respelled_layout(given_layout, spelling)
+        expected = expected_with_casts(ck.layout, target_layout, respelled(casts, spelling))
         ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
                         order_matters=strict_order)
         result = LoadResult(
@@ -685,6 +690,15 @@ def load(
     result = read_once(path, load_from, lambda: not touched, storage_options=storage_options)
     warn_skipped(result)
     return result
+
+
+def respelled_layout(layout: Layout, spelling: Mapping[str, str]) -> Layout:
+    """``layout`` with each name ``spelling`` names spelled so: a module's tensors are named
+    without torch.compile's ``_orig_mod`` components, and a checkpoint saved from a compiled
+    module before lean_store left them out stores them with (sources/compiled.py)."""
+    if not spelling:
+        return layout
+    return Layout.from_specs([(spelling.get(e.name, e.name), e.shape, e.format) for e in layout])
 
 
 def warn_skipped(result: LoadResult) -> None:
@@ -762,9 +776,15 @@ def _state_of(
     ck: Checkpoint, like: Any, casts: dict[str, ScalarFormat], strict: bool, strict_order: bool
 ) -> dict[str, Any]:
     devices: dict[str, Any] = {}
+    own_names: dict[str, str] = {}  # a stored spelling -> the name ``like`` gives it
     if like is not None:
         like_layout = tensor_source(like).layout
         devices = _devices_of(like)
+        spelling = spelled_as(like_layout.names(), ck.layout.names())  # see respelled_layout
+        like_layout = respelled_layout(like_layout, spelling)
+        devices = respelled(devices, spelling)
+        casts = respelled(casts, spelling)
+        own_names = {stored: name for name, stored in spelling.items()}
         expected = expected_with_casts(ck.layout, like_layout, casts)
         ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
                         order_matters=strict_order)
@@ -787,7 +807,7 @@ def _state_of(
             out[name] = new_tensor(words, fmt, entry.shape, devices[name])
         else:
             out[name] = as_values(words, fmt)
-    return out
+    return respelled(out, own_names) if own_names else out
 
 
 def _devices_of(like: Any) -> dict[str, Any]:

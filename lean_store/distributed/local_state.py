@@ -18,6 +18,7 @@ from ..layout import Layout
 from ..naming import check_names
 from ..sources import tensor_source, tensor_targets
 from ..sources.base import SourceTensor, TargetTensor
+from ..sources.compiled import canonical_state
 from .shard_spec import Box, ShardSpec
 
 
@@ -86,9 +87,10 @@ def is_dtensor(value: Any) -> bool:
 
 
 def state_items(state: Any) -> Mapping[str, Any]:
-    """The entries of a module (its state_dict, DTensors kept) or of a mapping."""
+    """The entries of a module (its state_dict, DTensors kept, named without torch.compile's
+    ``_orig_mod`` components) or of a mapping."""
     if callable(getattr(state, "state_dict", None)) and not isinstance(state, Mapping):
-        return state.state_dict()
+        return canonical_state(state.state_dict())
     if isinstance(state, Mapping):
         return state
     raise CheckpointError(

@@ -7,17 +7,19 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CheckpointError
+from ..sources.compiled import canonical_names, canonical_state
 
 PREFIX = "optim."
 
 
 def training_state(model: Any, optimizer: Any = None) -> dict[str, Any]:
-    state = dict(model.state_dict())
+    state = dict(canonical_state(model.state_dict()))  # names as sources/compiled.py says
     if optimizer is None:
         return state
     import torch
 
-    names = {id(p): n for n, p in model.named_parameters()}
+    named = list(model.named_parameters())
+    names = dict(zip((id(p) for _, p in named), canonical_names([n for n, _ in named])))
     for group in optimizer.param_groups:
         for param in group["params"]:
             name = names.get(id(param))

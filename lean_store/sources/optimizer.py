@@ -23,6 +23,7 @@ from ..errors import CheckpointError
 from ..formats import ScalarFormat, get
 from ..layout import Difference, Layout, layout_error
 from ..statetree import decode, encode
+from .compiled import canonical_names
 from .torch_source import format_of_dtype
 
 SCHEDULED = ("lr", "initial_lr")
@@ -44,11 +45,14 @@ def param_names(optimizer: torch.optim.Optimizer, model: Any = None) -> list[str
     """The names of the optimizer's parameters, in its order.
 
     From ``model.named_parameters()`` when a model is given, else from the ``param_names`` torch
-    keeps for optimizers built from ``named_parameters()``, else ``param.<index>``.
+    keeps for optimizers built from ``named_parameters()``, else ``param.<index>``; named
+    without the ``_orig_mod`` components of ``torch.compile``, as the model's tensors are
+    (:mod:`.compiled`).
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if model is not None:
-        by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+        named = list(model.named_parameters(remove_duplicate=True))
+        by_id = dict(zip((id(p) for _, p in named), canonical_names([n for n, _ in named])))
         missing = [i for i, p in enumerate(params) if id(p) not in by_id]
         if missing:
             raise CheckpointError(
@@ -64,7 +68,7 @@ def param_names(optimizer: torch.optim.Optimizer, model: Any = None) -> list[str
             return [f"param.{i}" for i in range(len(params))]
     if len(set(names)) != len(names):
         raise CheckpointError("the optimizer's param_names are not unique")
-    return names
+    return canonical_names(names)
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from ..formats import ScalarFormat, complex_of, get
 from ..layout import Entry, Layout
 from ..stream import CopyEngine
 from .base import SourceTensor, TargetTensor, TensorSource
+from .compiled import canonical_state
 from .numpy_source import ArraySourceTensor, ArrayTarget, format_of_value
 
 _TAGS: dict[Any, str] = {
@@ -153,9 +154,10 @@ class TorchSourceTensor(SourceTensor):
 
 
 def state_dict_of(obj: Any) -> Mapping[str, Any]:
-    """A module's ``state_dict()`` (persistent buffers in, non-persistent out), or the mapping."""
+    """A module's ``state_dict()`` (persistent buffers in, non-persistent out), named without
+    the ``_orig_mod`` components of ``torch.compile`` (:mod:`.compiled`), or the mapping."""
     if isinstance(obj, torch.nn.Module):
-        return obj.state_dict(keep_vars=False)
+        return canonical_state(obj.state_dict(keep_vars=False))
     if isinstance(obj, Mapping):
         return obj
     raise CheckpointError(f"cannot take torch state from a {type(obj).__name__}")

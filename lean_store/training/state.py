@@ -22,6 +22,7 @@ from typing import Any
 from ..checkpoint import Checkpoint, as_values
 from ..errors import CheckpointError, IntegrityError
 from ..layout import Difference, Layout, layout_error
+from ..sources.compiled import respelled, spelled_as
 from ..statetree import decode, encode, tensor_names
 
 TRAINING_FORMAT_VERSION = 1
@@ -279,7 +280,7 @@ def prepare_load(ck: Checkpoint, *, model: Any, names_model: Any, optimizer: Any
     if optimizer is not None:
         if not meta.get("optimizer"):
             raise CheckpointError(f"{ck.path} holds no optimizer state")
-        names = param_names(optimizer, names_model)
+        names = stored_spelling(param_names(optimizer, names_model), meta["optimizer"])
         prepared = prepare(optimizer, names, meta["optimizer"], prefix, ck.layout,
                            read_state or reader.tensor, reader.lookup, scheduled=scheduled)
         installs.append(prepared.install)
@@ -358,6 +359,9 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
     from ..sources import tensor_targets
 
     targets = tensor_targets(model)
+    # named as the checkpoint spells them (torch.compile's ``_orig_mod``: sources/compiled.py)
+    targets = respelled(targets, spelled_as(
+        targets, [e.name[6:] for e in ck.layout if e.name.startswith("model/")]))
     expected = Layout.from_specs(
         [(f"model/{n}", t.entry.shape, t.entry.format) for n, t in targets.items()]
     )
@@ -372,6 +376,16 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
                 target.write(region, words)
 
     return install
+
+
+def stored_spelling(names: list[str], meta: Any) -> list[str]:
+    """The optimizer's parameter ``names`` as the checkpoint's optimizer metadata ``meta``
+    spells them (torch.compile's ``_orig_mod``: sources/compiled.py)."""
+    params = meta.get("params") if isinstance(meta, dict) else None
+    stored = [p["name"] for p in params if isinstance(p, dict) and isinstance(p.get("name"), str)
+              ] if isinstance(params, list) else []
+    spelling = spelled_as(names, stored)
+    return [spelling.get(name, name) for name in names]
 
 
 def _prepare_scheduler(meta: Any, scheduler: Any, reader: TrainingReader,
