@@ -33,7 +33,7 @@ from .metadata import check_stored, parse_root
 from .progress import make_progress
 from .read_ahead import read_all
 from .sources import TargetTensor, tensor_source, tensor_targets
-from .sources.compiled import respelled, spelled_as
+from .sources.module_names import respelled, spelled_as
 from .stores.base import ChunkProblem, Selection, StorageDescription, StoredTensor
 from .stores.commit import is_url
 from .stores.registry import open_reader
@@ -695,7 +695,7 @@ def load(
 def respelled_layout(layout: Layout, spelling: Mapping[str, str]) -> Layout:
     """``layout`` with each name ``spelling`` names spelled so: a module's tensors are named
     without torch.compile's ``_orig_mod`` components, and a checkpoint saved from a compiled
-    module before lean_store left them out stores them with (sources/compiled.py)."""
+    module before lean_store left them out stores them with (sources/module_names.py)."""
     if not spelling:
         return layout
     return Layout.from_specs([(spelling.get(e.name, e.name), e.shape, e.format) for e in layout])

@@ -18,7 +18,7 @@ from ..layout import Layout
 from ..naming import check_names
 from ..sources import tensor_source, tensor_targets
 from ..sources.base import SourceTensor, TargetTensor
-from ..sources.compiled import canonical_state
+from ..sources.module_names import canonical_state
 from .shard_spec import Box, ShardSpec
 
 

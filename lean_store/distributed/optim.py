@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CheckpointError
-from ..sources.compiled import canonical_names, canonical_state
+from ..sources.module_names import canonical_names, canonical_state
 
 PREFIX = "optim."
 
 
 def training_state(model: Any, optimizer: Any = None) -> dict[str, Any]:
-    state = dict(canonical_state(model.state_dict()))  # names as sources/compiled.py says
+    state = dict(canonical_state(model.state_dict()))  # names as sources/module_names.py says
     if optimizer is None:
         return state
     import torch

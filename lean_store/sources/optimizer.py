@@ -23,8 +23,8 @@ from ..errors import CheckpointError
 from ..formats import ScalarFormat, get
 from ..layout import Difference, Layout, layout_error
 from ..statetree import decode, encode
-from .compiled import canonical_names
-from .torch_source import format_of_dtype
+from .module_names import canonical_names
+from .torch_source import format_of_dtype, unwrapped
 
 SCHEDULED = ("lr", "initial_lr")
 """Group keys a learning-rate scheduler changes as training runs: restored, not compared."""
@@ -46,12 +46,11 @@ def param_names(optimizer: torch.optim.Optimizer, model: Any = None) -> list[str
 
     From ``model.named_parameters()`` when a model is given, else from the ``param_names`` torch
     keeps for optimizers built from ``named_parameters()``, else ``param.<index>``; named
-    without the ``_orig_mod`` components of ``torch.compile``, as the model's tensors are
-    (:mod:`.compiled`).
+    without what wrappers add, as the model's tensors are (:mod:`.module_names`).
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if model is not None:
-        named = list(model.named_parameters(remove_duplicate=True))
+        named = list(unwrapped(model).named_parameters(remove_duplicate=True))
         by_id = dict(zip((id(p) for _, p in named), canonical_names([n for n, _ in named])))
         missing = [i for i, p in enumerate(params) if id(p) not in by_id]
         if missing:

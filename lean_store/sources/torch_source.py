@@ -15,7 +15,7 @@ from ..formats import ScalarFormat, complex_of, get
 from ..layout import Entry, Layout
 from ..stream import CopyEngine
 from .base import SourceTensor, TargetTensor, TensorSource
-from .compiled import canonical_state
+from .module_names import canonical_state
 from .numpy_source import ArraySourceTensor, ArrayTarget, format_of_value
 
 _TAGS: dict[Any, str] = {
@@ -155,12 +155,21 @@ class TorchSourceTensor(SourceTensor):
 
 def state_dict_of(obj: Any) -> Mapping[str, Any]:
     """A module's ``state_dict()`` (persistent buffers in, non-persistent out), named without
-    the ``_orig_mod`` components of ``torch.compile`` (:mod:`.compiled`), or the mapping."""
+    what wrappers add (:func:`unwrapped`, :mod:`.module_names`), or the mapping."""
     if isinstance(obj, torch.nn.Module):
-        return canonical_state(obj.state_dict(keep_vars=False))
+        return canonical_state(unwrapped(obj).state_dict(keep_vars=False))
     if isinstance(obj, Mapping):
         return obj
     raise CheckpointError(f"cannot take torch state from a {type(obj).__name__}")
+
+
+def unwrapped(module: Any) -> Any:
+    """``module`` without its DistributedDataParallel or DataParallel wrappers (which name every
+    tensor ``module.<name>``); any other object as it is."""
+    parallel = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    while isinstance(module, parallel):
+        module = module.module
+    return module
 
 
 _QUANTIZED_HINT = (

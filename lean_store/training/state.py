@@ -22,7 +22,7 @@ from typing import Any
 from ..checkpoint import Checkpoint, as_values
 from ..errors import CheckpointError, IntegrityError
 from ..layout import Difference, Layout, layout_error
-from ..sources.compiled import respelled, spelled_as
+from ..sources.module_names import respelled, spelled_as
 from ..statetree import decode, encode, tensor_names
 
 TRAINING_FORMAT_VERSION = 1
@@ -359,7 +359,7 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
     from ..sources import tensor_targets
 
     targets = tensor_targets(model)
-    # named as the checkpoint spells them (torch.compile's ``_orig_mod``: sources/compiled.py)
+    # named as the checkpoint spells them (torch.compile's ``_orig_mod``: sources/module_names.py)
     targets = respelled(targets, spelled_as(
         targets, [e.name[6:] for e in ck.layout if e.name.startswith("model/")]))
     expected = Layout.from_specs(
@@ -380,7 +380,7 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
 
 def stored_spelling(names: list[str], meta: Any) -> list[str]:
     """The optimizer's parameter ``names`` as the checkpoint's optimizer metadata ``meta``
-    spells them (torch.compile's ``_orig_mod``: sources/compiled.py)."""
+    spells them (torch.compile's ``_orig_mod``: sources/module_names.py)."""
     params = meta.get("params") if isinstance(meta, dict) else None
     stored = [p["name"] for p in params if isinstance(p, dict) and isinstance(p.get("name"), str)
               ] if isinstance(params, list) else []

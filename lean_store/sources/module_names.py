@@ -1,13 +1,15 @@
-"""Tensor names of ``torch.compile``'d modules.
+"""The names a module's tensors are stored under: without what wrappers add.
 
 ``torch.compile(model)`` returns a wrapper that holds the model as its submodule ``_orig_mod``,
 so every name its ``state_dict()`` and ``named_parameters()`` give starts with ``_orig_mod.``
-(and ``torch.compile`` applied to a submodule adds the component in the middle of a name). A
-checkpoint named that way loads into the compiled model only, not into the same model
-uncompiled, nor into one compiled differently. lean_store names a module's tensors without
-those components, as DCP's ``get_state_dict`` and Lightning do: the same checkpoint for the
-model compiled or not. Checkpoints saved before with ``_orig_mod`` components still load: a
-load follows the checkpoint's spelling of a name (:func:`spelled_as`).
+(and ``torch.compile`` applied to a submodule adds the component in the middle of a name);
+``DistributedDataParallel`` and ``DataParallel`` hold it as ``module``. A checkpoint named that
+way loads only into the model wrapped the same way, not into the model alone. lean_store names
+a module's tensors without those parts, as DCP's ``get_state_dict`` and Lightning do: the
+``_orig_mod`` components are left out here (:func:`canonical_state`), and the parallel wrappers
+are taken off by :func:`lean_store.sources.torch_source.unwrapped` (by their class: a module
+of one's own may be called ``module``). Checkpoints saved before with those names still load:
+a load follows the checkpoint's spelling of a name (:func:`spelled_as`).
 
 Strings only: this module imports no torch.
 """
@@ -21,6 +23,8 @@ from ..errors import CheckpointError
 
 WRAPPED = "_orig_mod"
 """The name under which torch.compile's wrapper module holds the compiled module."""
+PARALLEL = "module."
+"""What DistributedDataParallel and DataParallel put in front of every name."""
 
 V = TypeVar("V")
 
@@ -56,17 +60,21 @@ def canonical_names(names: Sequence[str]) -> list[str]:
 
 
 def spelled_as(names: Iterable[str], stored: Iterable[str]) -> dict[str, str]:
-    """For each of ``names`` (canonical) that a checkpoint stores only under a name with
-    ``_orig_mod`` components (saved from a compiled module before lean_store left them
-    out): that stored name. Empty when the checkpoint has no such name."""
+    """For each of ``names`` (a module's, as lean_store names them) that a checkpoint stores
+    only under a name a wrapper made (saved before lean_store left those parts out): that
+    stored name. A name with ``_orig_mod`` components; or ``module.`` and the name, when every
+    stored name starts with ``module.`` (a DistributedDataParallel or DataParallel module's
+    state). Empty when the checkpoint has no such name."""
     stored = list(stored)
-    if not any(WRAPPED in name for name in stored):
+    parallel = bool(stored) and all(name.startswith(PARALLEL) for name in stored)
+    if not parallel and not any(WRAPPED in name for name in stored):
         return {}
     present = set(stored)
     by_canonical: dict[str, str] = {}
     for name in stored:
-        if WRAPPED in name:
-            by_canonical.setdefault(canonical_name(name), name)
+        bare = name[len(PARALLEL):] if parallel else name
+        if WRAPPED in bare or parallel:
+            by_canonical.setdefault(canonical_name(bare), name)
     return {name: by_canonical[name] for name in names
             if name not in present and name in by_canonical}
 
@@ -76,5 +84,5 @@ def respelled(mapping: Mapping[str, V], spelling: Mapping[str, str]) -> dict[str
     return {spelling.get(name, name): value for name, value in mapping.items()}
 
 
-__all__ = ["WRAPPED", "canonical_name", "canonical_names", "canonical_state", "respelled",
-           "spelled_as"]
+__all__ = ["PARALLEL", "WRAPPED", "canonical_name", "canonical_names", "canonical_state",
+           "respelled", "spelled_as"]

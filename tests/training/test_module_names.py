@@ -1,9 +1,13 @@
-"""Modules wrapped by ``torch.compile``: their tensors are named without the ``_orig_mod``
-components the wrapper adds (lean_store/sources/compiled.py), so one checkpoint serves the
-model compiled or not; checkpoints saved with those components (before) still load."""
+"""Wrapped modules (``torch.compile``, DistributedDataParallel, DataParallel): their tensors are
+named without what the wrapper adds (``_orig_mod``, ``module.``; lean_store/sources/
+module_names.py), so one checkpoint serves the model wrapped or not; checkpoints saved with
+those names (before) still load."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +16,7 @@ import pytest
 from torch_optional import needs_torch, torch
 
 import lean_store as ls
-from lean_store.sources.compiled import canonical_name, canonical_state, spelled_as
+from lean_store.sources.module_names import canonical_name, canonical_state, spelled_as
 
 SUFFIXES = (".h5", ".zarr")
 
@@ -34,6 +38,13 @@ def test_two_names_that_become_one_are_refused() -> None:
         canonical_state(state)
     plain = {"a": 1}
     assert canonical_state(plain) is plain
+
+
+def test_spelled_as_a_parallel_modules_state() -> None:
+    stored = ["module.0.w", "module.1.w"]
+    assert spelled_as(["0.w", "1.w"], stored) == {"0.w": "module.0.w", "1.w": "module.1.w"}
+    # a submodule of one's own called ``module``: not every name starts so, nothing mapped
+    assert spelled_as(["0.w"], ["module.0.w", "head.w"]) == {}
 
 
 def test_spelled_as_follows_the_checkpoint() -> None:
@@ -164,3 +175,66 @@ def test_training_checkpoints_saved_with_orig_mod_names_still_load(
         assert _same(fresh, model) and _same_moments(opt, model, fresh_opt, fresh)
     assert np.array_equal(ls.load_state(path)["model/_orig_mod.0.weight"],
                           model[0].weight.detach().numpy())
+
+
+@needs_torch
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_a_data_parallel_model(tmp_path: Path, suffix: str) -> None:
+    model = _net(0)
+    wrapped = torch.nn.DataParallel(model)
+    assert next(iter(wrapped.state_dict())).startswith("module.")
+    path = tmp_path / f"c{suffix}"
+    ls.save(wrapped, path)
+    assert ls.open(path).layout.names() == list(model.state_dict())
+    for target in (_net(1), torch.nn.DataParallel(_net(2))):
+        ls.load(target, path)
+        assert _same(getattr(target, "module", target), model)
+    old = tmp_path / f"old{suffix}"
+    ls.save(dict(wrapped.state_dict()), old)  # the names lean_store stored before
+    for target in (_net(3), torch.nn.DataParallel(_net(4))):
+        ls.load(target, old)
+        assert _same(getattr(target, "module", target), model)
+    own = torch.nn.Module()  # a submodule of one's own called "module" keeps its name
+    own.module = torch.nn.Linear(2, 2)
+    ls.save(own, tmp_path / f"own{suffix}")
+    assert ls.open(tmp_path / f"own{suffix}").layout.names() == ["module.weight", "module.bias"]
+
+
+DDP_SCRIPT = """
+import os, sys, torch, torch.distributed as dist, lean_store as ls
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0,
+                        world_size=1)
+def net(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+model = net(0)
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+ddp(torch.randn(3, 4)).sum().backward()
+opt.step()
+path = os.path.join(sys.argv[1], "t.h5")
+ls.save_training(path, model=ddp, optimizer=opt, step=3)
+print(ls.open(path).layout.names()[:2])
+plain = net(1)
+plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+ls.load_training(path, model=plain, optimizer=plain_opt)
+print(all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters())),
+      all(torch.equal(plain_opt.state[a]["exp_avg"], opt.state[b]["exp_avg"])
+          for a, b in zip(plain.parameters(), model.parameters())))
+again = torch.nn.parallel.DistributedDataParallel(net(2))
+ls.save(ddp, os.path.join(sys.argv[1], "m.h5"))
+ls.load(again, os.path.join(sys.argv[1], "m.h5"))
+print(all(torch.equal(a, b) for a, b in zip(again.module.parameters(), model.parameters())))
+dist.destroy_process_group()
+"""
+
+
+@needs_torch
+def test_a_distributed_data_parallel_model(tmp_path: Path) -> None:
+    from gloo_world import free_port
+
+    run = subprocess.run([sys.executable, "-c", DDP_SCRIPT, str(tmp_path), str(free_port())],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == ["['model/0.weight', 'model/0.bias']", "True True", "True"]
