@@ -644,7 +644,7 @@ def load(
 
     def load_from(ck: Checkpoint) -> LoadResult:
         # a module's names as ``ck`` spells them (torch.compile's ``_orig_mod``)
-        spelling = spelled_as(given, ck.layout.names())
+        spelling = spelled_as(given, ck.layout.names()) if is_module(target) else {}
         targets = respelled(given, spelling)
         target_layout = respelled_layout(given_layout, spelling)
         expected = expected_with_casts(ck.layout, target_layout, respelled(casts, spelling))
@@ -690,6 +690,11 @@ def load(
     result = read_once(path, load_from, lambda: not touched, storage_options=storage_options)
     warn_skipped(result)
     return result
+
+
+def is_module(obj: Any) -> bool:
+    """A torch module (what :mod:`.sources.module_names` renames), not a state dict."""
+    return callable(getattr(obj, "state_dict", None)) and not isinstance(obj, Mapping)
 
 
 def respelled_layout(layout: Layout, spelling: Mapping[str, str]) -> Layout:
@@ -780,7 +785,8 @@ def _state_of(
     if like is not None:
         like_layout = tensor_source(like).layout
         devices = _devices_of(like)
-        spelling = spelled_as(like_layout.names(), ck.layout.names())  # see respelled_layout
+        spelling = spelled_as(like_layout.names(), ck.layout.names()) if is_module(like) \
+            else {}  # see respelled_layout
         like_layout = respelled_layout(like_layout, spelling)
         devices = respelled(devices, spelling)
         casts = respelled(casts, spelling)

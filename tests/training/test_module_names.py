@@ -238,3 +238,13 @@ def test_a_distributed_data_parallel_model(tmp_path: Path) -> None:
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines() == ["['model/0.weight', 'model/0.bias']", "True True", "True"]
+
+
+def test_a_state_dict_target_keeps_its_names(tmp_path: Path) -> None:
+    """Only a module's names are matched to a wrapper's spelling: a mapping is taken as is."""
+    path = tmp_path / "c.h5"
+    ls.save({"module.w": np.ones(3, np.float32), "_orig_mod.v": np.zeros(2)}, path)
+    with pytest.raises(ls.LayoutError):
+        ls.load({"w": np.empty(3, np.float32), "v": np.empty(2)}, path)
+    with pytest.raises(ls.LayoutError):
+        ls.load_state(path, like={"w": np.empty(3, np.float32), "v": np.empty(2)})
