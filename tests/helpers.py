@@ -252,3 +252,21 @@ def flip_bits(file: Path, at: int, mask: int) -> None:
     raw = bytearray(file.read_bytes())
     raw[at] ^= mask
     file.write_bytes(bytes(raw))
+
+
+def preload_library(tmp_path: Path, c_source: str) -> Path:
+    """``c_source`` built into a shared library for ``LD_PRELOAD`` (a system call made to fail
+    as a file system without that feature makes it fail). Skips only where no C compiler is."""
+    import shutil
+
+    import pytest
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the preloaded library with")
+    source = tmp_path / "preload.c"
+    source.write_text(c_source)
+    library = tmp_path / "preload.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source)],
+                   check=True, capture_output=True, timeout=120)
+    return library

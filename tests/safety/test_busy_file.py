@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import preload_library
 
 import lean_store as ls
 from lean_store import CheckpointBusyError, IntegrityError
@@ -146,13 +146,7 @@ def test_a_file_system_without_locks(tmp_path: Path) -> None:
     through a preloaded ``flock``: HDF5 then failed every save ("cannot save: No locks
     available") and every load."""
     assert LOCKING_OPTION  # h5py's wheels: HDF5 1.14+
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler to build the flock shim with")
-    (tmp_path / "shim.c").write_text(NO_LOCKS_SHIM)
-    shim = tmp_path / "noflock.so"
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "shim.c")],
-                   check=True, capture_output=True, timeout=120)
+    shim = preload_library(tmp_path, NO_LOCKS_SHIM)
     script = (
         "import sys, fcntl, numpy as np, lean_store as ls\n"
         "try:\n"

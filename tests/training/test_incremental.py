@@ -270,3 +270,60 @@ def test_a_base_of_the_slash_layout_still_gives_links(scratch):
     for step in (first, second):
         with ls.open(step) as opened:
             opened.verify()
+
+
+NO_HARD_LINKS = """
+#include <errno.h>
+int link(const char *a, const char *b) { (void)a; (void)b; errno = EPERM; return -1; }
+int linkat(int fa, const char *a, int fb, const char *b, int flags) {
+    (void)fa; (void)a; (void)fb; (void)b; (void)flags; errno = EPERM; return -1; }
+"""
+
+NO_LINKS_CHILD = textwrap.dedent("""
+    import os, sys, torch, lean_store as ls
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.Linear(96, 32))
+    for p in list(model.parameters())[:2]:
+        p.requires_grad_(False)
+    try:
+        os.link(sys.argv[2], sys.argv[2] + ".link")
+    except OSError as e:
+        print("link", e.errno)
+    ck = ls.Checkpointer(sys.argv[1], keep_last=3, backend="zarr", incremental=True)
+    for step in range(5):
+        with torch.no_grad():
+            model[1].weight.add_(0.01)
+        ck.save(step, model=model, rng=False)
+        stats = ck.last_save_stats
+        print(step, None if stats is None else (stats.linked_files, stats.written_files > 0))
+    print(ck.steps(), all(ls.verify(ck.path(s)).ok for s in ck.steps()))
+""")
+
+
+def test_a_file_system_without_hard_links_gets_whole_steps(tmp_path):
+    """Where ``link`` fails (EPERM: a file system without hard links), every file of a step is
+    written: the steps are as complete and standalone, only not smaller."""
+    from helpers import preload_library
+
+    library = preload_library(tmp_path, NO_HARD_LINKS)
+    (tmp_path / "probe").write_text("x")
+    run = subprocess.run(
+        [sys.executable, "-c", NO_LINKS_CHILD, str(tmp_path / "run"), str(tmp_path / "probe")],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "LD_PRELOAD": str(library),
+             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[0] == f"link {1}"  # EPERM: the preload is in force
+    assert lines[1:] == ["0 None", "1 (0, True)", "2 (0, True)", "3 (0, True)", "4 (0, True)",
+                         "[2, 3, 4] True"]
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert files and all(p.stat().st_nlink == 1 for p in files)
+    for step in (2, 3, 4):  # the frozen layer in every step, exactly
+        back = ls.load_state(tmp_path / "run" / f"step_{step:010d}.zarr")
+        assert np.array_equal(back["model/0.weight"], _frozen_weight())
+
+
+def _frozen_weight() -> np.ndarray:
+    torch.manual_seed(0)
+    return torch.nn.Linear(96, 96).weight.detach().numpy()
