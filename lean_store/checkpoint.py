@@ -643,7 +643,7 @@ def load(
     touched: list[bool] = []  # set once anything was copied into the target
 
     def load_from(ck: Checkpoint) -> LoadResult:
-        # a module's names as ``ck`` spells them (torch.compile's ``_orig_mod``)
+        # a module's names as ``ck`` spells them (a wrapper's: sources/module_names.py)
         spelling = spelled_as(given, ck.layout.names()) if is_module(target) else {}
         targets = respelled(given, spelling)
         target_layout = respelled_layout(given_layout, spelling)
@@ -699,8 +699,9 @@ def is_module(obj: Any) -> bool:
 
 def respelled_layout(layout: Layout, spelling: Mapping[str, str]) -> Layout:
     """``layout`` with each name ``spelling`` names spelled so: a module's tensors are named
-    without torch.compile's ``_orig_mod`` components, and a checkpoint saved from a compiled
-    module before lean_store left them out stores them with (sources/module_names.py)."""
+    without what wrappers add (torch.compile's ``_orig_mod``, DDP's ``module.``), and a
+    checkpoint saved from a wrapped module before lean_store left that out stores them with
+    it (sources/module_names.py)."""
     if not spelling:
         return layout
     return Layout.from_specs([(spelling.get(e.name, e.name), e.shape, e.format) for e in layout])

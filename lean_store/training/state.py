@@ -359,9 +359,9 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
     from ..sources import tensor_targets
 
     targets = tensor_targets(model)
-    # named as the checkpoint spells them (torch.compile's ``_orig_mod``: sources/module_names.py)
+    # named as the checkpoint spells them (a wrapper's names: sources/module_names.py)
     targets = respelled(targets, spelled_as(
-        targets, [e.name[6:] for e in ck.layout if e.name.startswith("model/")]))
+        targets, [e.name[len("model/"):] for e in ck.layout if e.name.startswith("model/")]))
     expected = Layout.from_specs(
         [(f"model/{n}", t.entry.shape, t.entry.format) for n, t in targets.items()]
     )
@@ -380,7 +380,7 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
 
 def stored_spelling(names: list[str], meta: Any) -> list[str]:
     """The optimizer's parameter ``names`` as the checkpoint's optimizer metadata ``meta``
-    spells them (torch.compile's ``_orig_mod``: sources/module_names.py)."""
+    spells them (a wrapper's names: sources/module_names.py)."""
     params = meta.get("params") if isinstance(meta, dict) else None
     stored = [p["name"] for p in params if isinstance(p, dict) and isinstance(p.get("name"), str)
               ] if isinstance(params, list) else []
