@@ -54,11 +54,35 @@ def detect_backend(path: str | os.PathLike) -> str:
         if record.holds(p):
             return record.name
     if p.is_dir():
-        raise IntegrityError(f"{p} is a directory but not a lean_store checkpoint (no zarr.json)")
+        raise IntegrityError(f"{p} is a directory but not a lean_store checkpoint (no zarr.json)"
+                             f"{_checkpoints_inside(p)}")
     raise IntegrityError(
         f"{p} is not a lean_store checkpoint (no HDF5 signature at offset 0 or after a user "
         "block at 512, 1024, 2048, ... bytes, and not a Zarr directory)"
     )
+
+
+_LISTED_INSIDE = 4  # checkpoints a "directory but not a checkpoint" error names
+_SCANNED_INSIDE = 10_000  # entries of that directory looked at, at most
+
+
+def _checkpoints_inside(directory: Path) -> str:
+    """For the error about a directory that is no checkpoint: the checkpoints it holds by
+    their names (a Checkpointer's directory of steps), so the user can name one; else ""."""
+    try:
+        with os.scandir(directory) as entries:
+            names = sorted(entry.name for entry, _ in zip(entries, range(_SCANNED_INSIDE))
+                           if any(entry.name.endswith(suffix) and not entry.name.startswith(".")
+                                  for record in RECORDS.values()
+                                  for suffix in record.suffixes))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    shown = names if len(names) <= _LISTED_INSIDE else [*names[:1], "...",
+                                                          *names[-(_LISTED_INSIDE - 1):]]
+    return (f"; it holds {len(names)} checkpoint{'s' if len(names) > 1 else ''} "
+            f"({', '.join(shown)}): name one of them, e.g. {directory / names[-1]}")
 
 
 def open_writer(

@@ -1,0 +1,41 @@
+"""A directory that holds checkpoints but is none (a Checkpointer's steps): the error names
+them, so the user knows which path to give."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lean_store as ls
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_directory_of_steps_names_them(tmp_path: Path, suffix: str) -> None:
+    for step in range(6):
+        ls.save({"w": np.full(3, step, np.float32)}, tmp_path / f"step_{step:010d}{suffix}")
+    (tmp_path / ".step_0000000006.h5.lean_store-tmp-x").write_bytes(b"")  # not listed
+    with pytest.raises(ls.IntegrityError) as caught:
+        ls.load_state(tmp_path)
+    message = str(caught.value)
+    assert "it holds 6 checkpoints" in message
+    assert f"step_0000000000{suffix}, ..., step_0000000003{suffix}" in message
+    assert f"e.g. {tmp_path / f'step_0000000005{suffix}'}" in message
+    assert ".lean_store-tmp" not in message
+    run = subprocess.run([sys.executable, "-m", "lean_store", "verify", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 1
+    assert f"step_0000000005{suffix}" in run.stdout + run.stderr
+
+
+def test_a_directory_without_checkpoints_says_only_that(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ls.IntegrityError) as caught:
+        ls.load_state(tmp_path)
+    assert str(caught.value).endswith("is a directory but not a lean_store checkpoint "
+                                      "(no zarr.json)")
