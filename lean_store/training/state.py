@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..checkpoint import Checkpoint, as_values
+from ..checkpoint import Checkpoint, as_values, is_module
 from ..errors import CheckpointError, IntegrityError
 from ..layout import Difference, Layout, layout_error
 from ..sources.module_names import respelled, spelled_as
@@ -360,8 +360,9 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
 
     targets = tensor_targets(model)
     # named as the checkpoint spells them (a wrapper's names: sources/module_names.py)
-    targets = respelled(targets, spelled_as(
-        targets, [e.name[len("model/"):] for e in ck.layout if e.name.startswith("model/")]))
+    if is_module(model):
+        targets = respelled(targets, spelled_as(
+            targets, [e.name[len("model/"):] for e in ck.layout if e.name.startswith("model/")]))
     expected = Layout.from_specs(
         [(f"model/{n}", t.entry.shape, t.entry.format) for n, t in targets.items()]
     )

@@ -248,3 +248,11 @@ def test_a_state_dict_target_keeps_its_names(tmp_path: Path) -> None:
         ls.load({"w": np.empty(3, np.float32), "v": np.empty(2)}, path)
     with pytest.raises(ls.LayoutError):
         ls.load_state(path, like={"w": np.empty(3, np.float32), "v": np.empty(2)})
+
+
+@needs_torch
+def test_a_state_dict_given_as_the_training_model_keeps_its_names(tmp_path: Path) -> None:
+    path = tmp_path / "t.h5"
+    ls.save_training(path, model={"module.w": torch.ones(3)}, rng=False)
+    with pytest.raises(ls.LayoutError, match="model/module.w"):
+        ls.load_training(path, model={"w": torch.zeros(3)}, rng=False)
