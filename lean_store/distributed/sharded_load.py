@@ -23,6 +23,7 @@ anything unless all can:
 from __future__ import annotations
 
 import base64
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,6 +31,7 @@ import numpy as np
 from ..chunking import DEFAULT_CHUNK_BYTES, Region, iter_regions, plan_chunks
 from ..errors import CheckpointError, IntegrityError
 from ..integrity import crc32c_update
+from ..sources.module_names import spelled_as
 from ..stores.hdf5.sharded import deferred_source_checks
 from .collective import Collective, stage
 from .dtensor_blocks import check_target_cover
@@ -135,7 +137,7 @@ def load(
 
 def _load(target: Any, path: Any, process_group: Any, strict: bool, verify: bool,
           block_bytes: int, strict_order: bool) -> Any:
-    from ..checkpoint import Checkpoint, LoadResult, warn_skipped
+    from ..checkpoint import Checkpoint, LoadResult, is_module, warn_skipped
 
     comm = Collective(process_group)
     ck = None
@@ -148,6 +150,13 @@ def _load(target: Any, path: Any, process_group: Any, strict: bool, verify: bool
             expected = layout_of(pieces)
             with deferred_source_checks():  # HDF5: each rank checks the shard files it reads
                 ck = Checkpoint(path)
+            if is_module(target):  # a module's names as ``ck`` spells them (a wrapper's:
+                # sources/module_names.py); every rank has the same names, the same spelling
+                spelling = spelled_as([p.name for p in pieces], ck.layout.names())
+                if spelling:
+                    pieces = [dataclasses.replace(p, name=spelling.get(p.name, p.name))
+                              for p in pieces]
+                    expected = layout_of(pieces)
             ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
                             order_matters=strict_order)
             names = [n for n in expected.names() if n in ck.layout]

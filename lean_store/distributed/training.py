@@ -26,6 +26,7 @@ from typing import Any
 from ..chunking import DEFAULT_CHUNK_BYTES
 from ..errors import CheckpointError
 from ..layout import Layout
+from ..sources.module_names import canonical_name, respelled, spelled_as
 from .collective import Collective, stage
 from .dtensor_blocks import check_target_cover
 from .local_state import LocalShard, Piece, is_dtensor, layout_of, local_pieces, strided_boxes
@@ -95,6 +96,9 @@ def gather_training_state(
     return tensors, text
 
 
+_STATE = "optimizer/state/"  # the prefix of an optimizer tensor's name
+
+
 class _ShardedReads:
     """The hooks that make :func:`~lean_store.training.state.prepare_load` read this rank's
     shards."""
@@ -116,9 +120,12 @@ class _ShardedReads:
         regions of every model tensor straight into its local shards."""
         from ..sources.torch_source import state_dict_of
 
-        pieces = local_pieces({f"model/{n}": v for n, v in state_dict_of(model).items()})
-        self.strided.extend(strided_boxes(pieces))
+        state = state_dict_of(model)
         stored = [e for e in ck.layout if e.name.startswith("model/")]
+        # named as the checkpoint spells them (a wrapper's names: sources/module_names.py)
+        state = respelled(state, spelled_as(state, [e.name[len("model/"):] for e in stored]))
+        pieces = local_pieces({f"model/{n}": v for n, v in state.items()})
+        self.strided.extend(strided_boxes(pieces))
         actual = Layout.from_specs([(e.name, e.shape, e.format) for e in stored])
         actual.check(layout_of(pieces))
 
@@ -136,6 +143,8 @@ class _ShardedReads:
 
         base, key = name.rsplit("/", 1)
         param = self.params.get(base)
+        if param is None and base.startswith(_STATE):  # a name saved with ``_orig_mod``
+            param = self.params.get(_STATE + canonical_name(base[len(_STATE):]))
         live = self.optimizer.state.get(param, {}).get(key) if param is not None else None
         like = live if is_dtensor(live) else param if is_dtensor(param) else None
         entry = self.ck.layout[name]
