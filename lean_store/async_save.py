@@ -46,6 +46,8 @@ from .naming import check_names
 from .options import SaveOptions, refuse
 from .snapshot import snapshot_of
 from .sources import tensor_source
+from .stores import commit_order
+from .stores.commit import is_url
 from .stores.registry import backend_for, backend_record
 from .stores.target import check_replaceable
 from .writing import write_source
@@ -119,9 +121,12 @@ class SaveHandle:
         self._pid = os.getpid()
         self._future: Future[Layout] = Future()
         self._number = next(_NUMBERS)
+        # its place among the saves to the path, taken now: of two saves to one path, the
+        # one called last is what the path holds (stores/commit_order.py)
+        turn = None if is_url(path) else commit_order.reserve(path)
         # not a daemon, and waited for by the exit hook before thread pools stop
         self._thread = threading.Thread(
-            target=self._run, args=(run,), name=f"lean_store-save-{self.path.name}"
+            target=self._run, args=(run, turn), name=f"lean_store-save-{self.path.name}"
         )
         with _LOCK:
             _RUNNING[self._number] = (self._thread, self.path)
@@ -130,11 +135,14 @@ class SaveHandle:
         except BaseException:
             with _LOCK:
                 del _RUNNING[self._number]
+            if turn is not None:
+                turn.release()
             raise
 
-    def _run(self, run: Callable[[], Layout]) -> None:
+    def _run(self, run: Callable[[], Layout], turn: commit_order.Turn | None) -> None:
         try:
-            result = run()
+            with commit_order.reserved(turn):
+                result = run()
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             reason = f"{type(exc).__name__}: {exc}"
             if len(reason) > _MAX_REASON:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from ..errors import CheckpointError, SaveIOError
-from . import fs_sync, leftovers, old_files
+from . import commit_order, fs_sync, leftovers, old_files
 from .target import FileKind, check_file_kind, check_replaceable
 
 STORAGE_OPTIONS = {"auto_mkdir": True}  # fsspec options for file:// and local:// URLs
@@ -125,6 +125,10 @@ class LocalCommit(Commit):
         if not path.parent.is_dir():
             raise CheckpointError(f"cannot save to {path}: directory {path.parent} does not exist")
         self._check()  # before any byte is written; again just before the rename
+        # its place among the saves to this path: a later one's commit is never undone
+        turn = commit_order.take(path)
+        self._turn = turn
+        self._turn_over = weakref.finalize(self, turn.release)
         # an old file an earlier save replaced, still being freed in the background, is
         # freed before this save writes: a save never needs more room than it did before
         old_files.wait_released()
@@ -157,7 +161,11 @@ class LocalCommit(Commit):
                                   f"{'committed' if self.committed else 'aborted'}")
         try:
             fsync_tree(self.work_path, self._sync)
-            _publish(self.work_path, self.target, self._check)
+            with self._turn.publishing() as latest:
+                if latest:
+                    _publish(self.work_path, self.target, self._check)
+            if not latest:  # a save to this path called after this one has published
+                discard_temporary(self.work_path)
         except OSError as exc:
             if not refused_by_os(exc):
                 raise
@@ -167,6 +175,7 @@ class LocalCommit(Commit):
                 self._sync.close()
         self.committed = True
         self._finished()
+        self._turn_over()
         clear_dead_temporaries(self.target)
 
     def abort(self) -> None:
@@ -177,6 +186,7 @@ class LocalCommit(Commit):
             self._sync.close()
         discard_temporary(self.work_path)
         self._finished()
+        self._turn_over()
 
 
 class URLCommit(Commit):
