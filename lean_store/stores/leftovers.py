@@ -27,8 +27,10 @@ from functools import cache
 from pathlib import Path
 
 from ..fork_safe import ForkSafeLock
+from .commit_order import key_of
 
-_ACTIVE: set[str] = set()  # this process's temporaries that a save still writes
+_ACTIVE: set[str] = set()  # this process's temporaries that a save still writes (key_of:
+# one entry whatever the spelling of the path, relative, absolute or through a link)
 _LOCK = ForkSafeLock()
 _HEX = re.compile(r"[0-9a-f]{32}")
 
@@ -54,14 +56,14 @@ def new_temporary(target: Path) -> Path:
     path = target.with_name(f"{_prefix(target)}{owner_tag()}{os.getpid():08x}"
                             f"{secrets.token_hex(8)}")
     with _LOCK:
-        _ACTIVE.add(str(path))
+        _ACTIVE.add(key_of(path))
     return path
 
 
 def finished(path: Path) -> None:
     """The save writing ``path`` committed or gave it up."""
     with _LOCK:
-        _ACTIVE.discard(str(path))
+        _ACTIVE.discard(key_of(path))
 
 
 def _alive(pid: int) -> bool:
@@ -92,7 +94,7 @@ def dead_temporaries(target: Path) -> list[Path]:
         path = target.with_name(name)
         if pid == me:
             with _LOCK:
-                if str(path) in _ACTIVE:
+                if key_of(path) in _ACTIVE:
                     continue  # another thread's save, still writing
         elif pid <= 0 or _alive(pid):
             continue

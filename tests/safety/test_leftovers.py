@@ -183,3 +183,21 @@ def test_a_removal_that_fails_fails_no_save(tmp_path: Path, monkeypatch) -> None
     ls.save(_state(3.0), path)
     assert dead.exists()
     assert ls.load_state(path)["w"][0, 0] == 3.0
+
+
+def test_a_running_save_spelled_otherwise_keeps_its_temporary(tmp_path: Path, suffix: str,
+                                                               monkeypatch) -> None:
+    """This process's save still writing its temporary, the path spelled otherwise (relative,
+    or through a linked directory) by the save that commits meanwhile: the temporary is its,
+    not removed. (It was: the running save then failed with ENOENT.)"""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.chdir(tmp_path / "real")
+    writing = commit.Commit.local(tmp_path / "link" / f"ck{suffix}", directory=suffix == ".zarr")
+    if suffix == ".zarr":
+        writing.make_directory()
+    else:
+        writing.work_path.write_bytes(b"")  # as the HDF5 writer creates it
+    ls.save(_state(1.0), Path(f"ck{suffix}"))  # commits; clears only dead temporaries
+    assert writing.work_path.name in os.listdir(tmp_path / "real")
+    writing.abort()
