@@ -53,15 +53,33 @@ class _HeldCommit:
         self.release.set()
 
 
-@pytest.mark.parametrize("suffix", SUFFIXES)
-def test_a_background_save_finishing_last_does_not_undo_a_later_save(
-        tmp_path: Path, suffix: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / f"c{suffix}"
-    ls.save(_state(0.0), path)
+def _first_save_held(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[_HeldCommit, Any]:
+    """A background save of state 1.0 to ``path``, written and held just before its commit:
+    (the hold, its handle)."""
     held = _HeldCommit(monkeypatch)
     first = ls.save_async(_state(1.0), path)
     assert held.reached.wait(60)  # written, about to commit
-    ls.save(_state(2.0), path)  # called later, commits first
+    return held, first
+
+
+@pytest.fixture(params=SUFFIXES)
+def held_first(request: pytest.FixtureRequest, tmp_path: Path,
+               monkeypatch: pytest.MonkeyPatch) -> tuple[Path, _HeldCommit, Any]:
+    """(path, hold, handle): a checkpoint of state 0.0 at ``path``, then a background save of
+    state 1.0 to it, written and held just before its commit."""
+    path = tmp_path / f"c{request.param}"
+    ls.save(_state(0.0), path)
+    return (path, *_first_save_held(path, monkeypatch))
+
+
+@pytest.mark.parametrize("later", ["blocking", "background"])
+def test_a_background_save_finishing_last_does_not_undo_a_later_save(
+        held_first: tuple[Path, _HeldCommit, Any], later: str) -> None:
+    path, held, first = held_first
+    if later == "blocking":
+        ls.save(_state(2.0), path)  # called later, commits first
+    else:
+        ls.save_async(_state(2.0), path).wait()
     assert _holds(path) == 2.0
     held.go()
     first.wait()  # no error: it ended, superseded
@@ -72,29 +90,9 @@ def test_a_background_save_finishing_last_does_not_undo_a_later_save(
     assert _holds(path) == 3.0
 
 
-@pytest.mark.parametrize("suffix", SUFFIXES)
-def test_two_background_saves_end_with_the_second(tmp_path: Path, suffix: str,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / f"c{suffix}"
-    held = _HeldCommit(monkeypatch)
-    first = ls.save_async(_state(1.0), path)
-    assert held.reached.wait(60)
-    second = ls.save_async(_state(2.0), path)
-    second.wait()
-    held.go()
-    first.wait()
-    assert _holds(path) == 2.0 and _temporaries(path) == []
-    assert commit_order.pending(path) == 0
-
-
-@pytest.mark.parametrize("suffix", SUFFIXES)
 def test_a_later_save_that_fails_leaves_the_earlier_one_to_publish(
-        tmp_path: Path, suffix: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / f"c{suffix}"
-    ls.save(_state(0.0), path)
-    held = _HeldCommit(monkeypatch)
-    first = ls.save_async(_state(1.0), path)
-    assert held.reached.wait(60)
+        held_first: tuple[Path, _HeldCommit, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    path, held, first = held_first
     real = commit._publish
 
     def refused(*args: Any) -> None:
@@ -113,9 +111,7 @@ def test_a_later_save_that_fails_leaves_the_earlier_one_to_publish(
 
 def test_saves_to_other_paths_are_not_held(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    held = _HeldCommit(monkeypatch)
-    first = ls.save_async(_state(1.0), tmp_path / "a.h5")
-    assert held.reached.wait(60)
+    held, first = _first_save_held(tmp_path / "a.h5", monkeypatch)
     ls.save(_state(2.0), tmp_path / "b.h5")  # commits while a.h5's save is held
     assert _holds(tmp_path / "b.h5") == 2.0 and not (tmp_path / "a.h5").exists()
     held.go()
@@ -127,9 +123,7 @@ def test_one_path_however_spelled(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     monkeypatch.chdir(tmp_path)
-    held = _HeldCommit(monkeypatch)
-    first = ls.save_async(_state(1.0), tmp_path / "link" / "c.h5")
-    assert held.reached.wait(60)
+    held, first = _first_save_held(tmp_path / "link" / "c.h5", monkeypatch)
     ls.save(_state(2.0), Path("real") / ".." / "real" / "c.h5")
     held.go()
     first.wait()
