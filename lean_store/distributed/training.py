@@ -26,7 +26,7 @@ from typing import Any
 from ..chunking import DEFAULT_CHUNK_BYTES
 from ..errors import CheckpointError
 from ..layout import Layout
-from ..sources.module_names import canonical_name, respelled, spelled_as
+from ..sources.module_names import respelled, spelled_under
 from .collective import Collective, stage
 from .dtensor_blocks import check_target_cover
 from .local_state import LocalShard, Piece, is_dtensor, layout_of, local_pieces, strided_boxes
@@ -96,9 +96,6 @@ def gather_training_state(
     return tensors, text
 
 
-_STATE = "optimizer/state/"  # the prefix of an optimizer tensor's name
-
-
 class _ShardedReads:
     """The hooks that make :func:`~lean_store.training.state.prepare_load` read this rank's
     shards."""
@@ -121,9 +118,9 @@ class _ShardedReads:
         from ..sources.torch_source import state_dict_of
 
         state = state_dict_of(model)
-        stored = [e for e in ck.layout if e.name.startswith("model/")]
         # named as the checkpoint spells them (a wrapper's names: sources/module_names.py)
-        state = respelled(state, spelled_as(state, [e.name[len("model/"):] for e in stored]))
+        state = respelled(state, spelled_under(state, ck.layout.names(), "model/"))
+        stored = [e for e in ck.layout if e.name.startswith("model/")]
         pieces = local_pieces({f"model/{n}": v for n, v in state.items()})
         self.strided.extend(strided_boxes(pieces))
         actual = Layout.from_specs([(e.name, e.shape, e.format) for e in stored])
@@ -143,8 +140,6 @@ class _ShardedReads:
 
         base, key = name.rsplit("/", 1)
         param = self.params.get(base)
-        if param is None and base.startswith(_STATE):  # a name saved with ``_orig_mod``
-            param = self.params.get(_STATE + canonical_name(base[len(_STATE):]))
         live = self.optimizer.state.get(param, {}).get(key) if param is not None else None
         like = live if is_dtensor(live) else param if is_dtensor(param) else None
         entry = self.ck.layout[name]
@@ -176,7 +171,7 @@ def load_training(
     """Every rank of ``process_group`` calls this; see the module docstring."""
     from ..checkpoint import Checkpoint
     from ..sources.optimizer import param_names
-    from ..training.state import prepare_load, warn_lost
+    from ..training.state import prepare_load, read_metadata, stored_spelling, warn_lost
 
     comm = Collective(process_group)
     ck = None
@@ -185,7 +180,10 @@ def load_training(
     try:
         with stage(comm) as st:  # validate everything on every rank
             ck = Checkpoint(path)
-            names = param_names(optimizer, names_model) if optimizer is not None else []
+            # the parameters' names as the checkpoint spells them, as prepare_load spells them
+            names = stored_spelling(param_names(optimizer, names_model),
+                                    read_metadata(ck)[1].get("optimizer")) \
+                if optimizer is not None else []
             hooks = _ShardedReads(ck, optimizer, names, block_bytes)
             prepared = prepare_load(
                 ck, model=model, names_model=names_model, optimizer=optimizer, rng=rng,

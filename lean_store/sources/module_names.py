@@ -79,10 +79,16 @@ def spelled_as(names: Iterable[str], stored: Iterable[str]) -> dict[str, str]:
             if name not in present and name in by_canonical}
 
 
+def spelled_under(names: Iterable[str], stored: Iterable[str], prefix: str) -> dict[str, str]:
+    """:func:`spelled_as` against the stored names under ``prefix`` (``model/`` of a training
+    checkpoint), the prefix left off on both sides."""
+    return spelled_as(names, [name[len(prefix):] for name in stored if name.startswith(prefix)])
+
+
 def respelled(mapping: Mapping[str, V], spelling: Mapping[str, str]) -> dict[str, V]:
     """``mapping`` with each key that ``spelling`` names renamed to its spelling, in order."""
     return {spelling.get(name, name): value for name, value in mapping.items()}
 
 
 __all__ = ["PARALLEL", "WRAPPED", "canonical_name", "canonical_names", "canonical_state",
-           "respelled", "spelled_as"]
+           "respelled", "spelled_as", "spelled_under"]

@@ -22,7 +22,7 @@ from typing import Any
 from ..checkpoint import Checkpoint, as_values, is_module
 from ..errors import CheckpointError, IntegrityError
 from ..layout import Difference, Layout, layout_error
-from ..sources.module_names import respelled, spelled_as
+from ..sources.module_names import respelled, spelled_as, spelled_under
 from ..statetree import decode, encode, tensor_names
 
 TRAINING_FORMAT_VERSION = 1
@@ -361,8 +361,7 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
     targets = tensor_targets(model)
     # named as the checkpoint spells them (a wrapper's names: sources/module_names.py)
     if is_module(model):
-        targets = respelled(targets, spelled_as(
-            targets, [e.name[len("model/"):] for e in ck.layout if e.name.startswith("model/")]))
+        targets = respelled(targets, spelled_under(targets, ck.layout.names(), "model/"))
     expected = Layout.from_specs(
         [(f"model/{n}", t.entry.shape, t.entry.format) for n, t in targets.items()]
     )
