@@ -59,6 +59,14 @@ def dtype_of_format(fmt: ScalarFormat) -> torch.dtype | None:
     return _DTYPE_OF_TAG.get(fmt.tag)
 
 
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy holding its values where its memory does not (a lazy conjugate or
+    negative view: ``x.conj()``, ``x.mH`` of a complex ``x``, holds ``x``'s words)."""
+    if t.is_conj() or t.is_neg():
+        return t.resolve_conj().resolve_neg()
+    return t
+
+
 def bit_view(t: torch.Tensor) -> torch.Tensor:
     """The same memory as a signed-int tensor of equal width (complex: trailing axis of 2)."""
     if t.is_complex():
@@ -127,7 +135,7 @@ class TorchSourceTensor(SourceTensor):
     def __init__(
         self, tensor: torch.Tensor, fmt: ScalarFormat, engine: TorchCopyEngine | None = None
     ) -> None:
-        tensor = tensor.detach()
+        tensor = resolved(tensor.detach())
         self._fmt = fmt
         self._bits = bit_view(tensor.reshape(1) if tensor.dim() == 0 else tensor)
         device = tensor.device  # a new torch.device object on every ask: asked once
@@ -195,6 +203,12 @@ def unsupported_entry(name: str, value: Any, state: Mapping[str, Any]) -> str | 
                 f"state entry {name!r} is a sparse tensor ({value.layout}); lean_store stores "
                 "dense tensors: save value.to_dense(), or its indices and values as separate "
                 "tensors"
+            )
+        if value.is_nested:
+            return (
+                f"state entry {name!r} is a nested tensor; lean_store stores tensors of one "
+                "shape: save its components (value.unbind()) or value.to_padded_tensor(0) "
+                "with their lengths"
             )
         if value.device.type == "meta":
             return (
@@ -287,6 +301,12 @@ class TorchTarget(TargetTensor):
     def __init__(self, entry: Entry, tensor: torch.Tensor) -> None:
         self.entry = entry
         tensor = tensor.detach()
+        if tensor.is_conj() or tensor.is_neg():
+            raise UnsupportedValueError(
+                f"cannot load tensor {entry.name!r} into a lazy "
+                f"{'conjugate' if tensor.is_conj() else 'negative'} view (its memory holds other "
+                "values than it shows): load into the tensor it views, or into a tensor of its "
+                "own (view.resolve_conj() / view.resolve_neg())")
         self._bits = bit_view(tensor.reshape(1) if tensor.dim() == 0 else tensor)
 
     def write(self, region: Region, bits: np.ndarray) -> None:
