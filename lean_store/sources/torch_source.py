@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -204,6 +205,14 @@ def unsupported_entry(name: str, value: Any, state: Mapping[str, Any]) -> str | 
                 "dense tensors: save value.to_dense(), or its indices and values as separate "
                 "tensors"
             )
+        if _dispatches_itself(value):
+            return (
+                f"state entry {name!r} is {_a(type(value).__name__)}, a tensor subclass that "
+                "handles torch's operations itself (as quantized, float8 or NF4 tensors do), so "
+                "its values are not plain memory; lean_store stores plain tensors: save plain "
+                "tensors of its values (a dequantized or full-precision copy) or its own inner "
+                "tensors"
+            )
         if value.is_nested:
             return (
                 f"state entry {name!r} is a nested tensor; lean_store stores tensors of one "
@@ -232,6 +241,16 @@ def unsupported_entry(name: str, value: Any, state: Mapping[str, Any]) -> str | 
         f"state entry {name!r} is {what}, not a tensor: save trainer state such as epochs and "
         "steps with lean_store.save_training, or leave it out of the state passed to save"
     )
+
+
+def _dispatches_itself(value: torch.Tensor) -> bool:
+    """A tensor subclass with a ``__torch_dispatch__`` of its own (a wrapper around other
+    tensors: torchao's quantized and float8 tensors, NF4, FakeTensor), DTensor aside (the
+    sharded path stores its local shards)."""
+    if type(value).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+        return False
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is None or not isinstance(value, dtensor)
 
 
 def _a(noun: str) -> str:

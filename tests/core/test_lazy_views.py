@@ -1,7 +1,8 @@
 """Tensors whose memory holds other values than they show: torch's lazy conjugate and negative
 views (``x.conj()``, ``x.mH`` of a complex ``x``, ``torch._neg_view``). A save stores the values
 the tensor shows; a load refuses to write into such a view (it would have to store other words
-than the checkpoint holds). Nested tensors are refused by name, like sparse ones."""
+than the checkpoint holds). Nested tensors and subclasses that handle torch's operations themselves
+(wrappers of other tensors) are refused by name, like sparse ones."""
 
 from __future__ import annotations
 
@@ -100,3 +101,34 @@ def test_a_nested_tensor_is_refused_by_name(tmp_path) -> None:
         ls.save({"w": torch.ones(2), "n": nested}, tmp_path / "n.h5")
     assert "'n'" in str(info.value) and "unbind()" in str(info.value)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_a_subclass_that_dispatches_itself_is_refused_by_name(tmp_path, suffix) -> None:
+    """A wrapper subclass (torchao's quantized and float8 tensors, NF4 are such) has no
+    values of its own memory: refused on save and as a load target, nothing written."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    wrapped = two_tensor.TwoTensor(torch.ones(3), torch.zeros(3))
+    with pytest.raises(UnsupportedValueError) as info:
+        ls.save({"w": torch.ones(2), "q": wrapped}, tmp_path / f"q{suffix}")
+    assert "'q'" in str(info.value) and "TwoTensor" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+    path = tmp_path / f"ok{suffix}"
+    ls.save({"q": torch.full((3,), 2.0)}, path)
+    with pytest.raises(UnsupportedValueError, match="TwoTensor"):
+        ls.load({"q": wrapped}, path)
+    assert torch.equal(wrapped.a, torch.ones(3)) and torch.equal(wrapped.b, torch.zeros(3))
+
+
+class _Plain(torch.Tensor):
+    """A subclass without a dispatch of its own (as_subclass): its memory is its values."""
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_a_plain_subclass_is_saved_and_loaded_into(tmp_path, suffix) -> None:
+    value = torch.randn(3, 4).as_subclass(_Plain)
+    path = tmp_path / f"p{suffix}"
+    ls.save({"p": value}, path)
+    into = torch.zeros(3, 4).as_subclass(_Plain)
+    ls.load({"p": into}, path)
+    assert torch.equal(into.as_subclass(torch.Tensor), value.as_subclass(torch.Tensor))
