@@ -21,7 +21,7 @@ MAX_CHUNK_BYTES = 1 << 30  # one chunk (HDF5) or inner chunk (Zarr), decoded
 MAX_SHARD_BYTES = 8 << 30  # one Zarr shard file, decoded
 MAX_ATTR_BYTES = 64 << 20  # one attribute value (the layout JSON is the largest we write)
 MAX_ATTRS = 1024  # attributes per object
-MAX_METADATA_BYTES = 64 << 20  # one zarr.json
+MAX_METADATA_BYTES = 64 << 20  # one zarr.json (a root: see root_document_limit)
 MAX_RANK = 32
 MAX_JSON_DEPTH = 64  # nesting of any JSON lean_store parses (its own documents nest < 10 deep)
 MAX_TREE_DEPTH = MAX_RANK + 8  # directories below a Zarr root: node, "c", one per chunk axis
@@ -148,10 +148,29 @@ def check_json_depth(raw: str | bytes, where: str, limit: int = MAX_JSON_DEPTH) 
         )
 
 
-# ----------------------------------------------------------------------------------- HDF5
+# ------------------------------------------------------ metadata that grows with the tensors
+
+
+def root_document_limit(array_documents: int) -> int:
+    """The most bytes the root ``zarr.json`` of a Zarr store may have when the store's own
+    array documents hold ``array_documents`` bytes: :data:`MAX_METADATA_BYTES`, plus twice
+    those bytes. The root's consolidated metadata repeats every array's document (nested
+    deeper, so indented more) and the layout adds ~130 bytes per tensor, so a store of many
+    tensors (~1.5 KiB of root per tensor: 44,000 tensors pass 64 MiB) is read, while the root
+    stays bounded by what the store holds."""
+    return MAX_METADATA_BYTES + 2 * array_documents
+
+
+def root_attr_limit(file_size: int) -> int:
+    """The most bytes one root attribute of an HDF5 file of ``file_size`` bytes may have:
+    :data:`MAX_ATTR_BYTES`, or the file's size where larger. The manifest grows with the
+    tensors (~350 bytes each: 190,000 tensors pass 64 MiB), and no attribute holds more bytes
+    than the file it is in."""
+    return max(MAX_ATTR_BYTES, file_size)
 
 
 __all__ = [
     "MAX_ATTR_BYTES", "MAX_CHUNK_BYTES", "MAX_JSON_DEPTH", "MAX_METADATA_BYTES",
     "check_checkpoint_path", "check_chunk_shape", "check_json_depth", "file_kind", "json_depth",
+    "root_attr_limit", "root_document_limit",
 ]

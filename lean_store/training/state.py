@@ -80,7 +80,14 @@ def single_training_state(**build: Any) -> tuple[dict[str, Any], dict[str, Any]]
 
 
 def training_root(text: str) -> dict[str, Any]:
-    """The root attributes that make a checkpoint a training checkpoint."""
+    """The root attributes that make a checkpoint a training checkpoint (``text``: its
+    metadata as JSON, refused before anything is written when a load would refuse it)."""
+    if len(text) > MAX_META_TEXT:
+        raise CheckpointError(
+            f"the training metadata is {len(text)} characters of JSON, more than the "
+            f"{MAX_META_TEXT} a load reads; it holds the JSON values of extra= and data= (and "
+            "the optimizer's and scheduler's settings): keep large values out of them, or pass "
+            "them as arrays or tensors, which are stored as tensors")
     return {VERSION_ATTR: TRAINING_FORMAT_VERSION, META_ATTR: text}
 
 

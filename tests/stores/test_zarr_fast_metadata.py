@@ -190,13 +190,13 @@ def test_open_reads_only_the_root_document(tmp_path: Path, monkeypatch: pytest.M
     read: list[str] = []
     real_root, real_bytes = zarr_store.read_root_at, zarr_store.read_bytes_at
 
-    def spy_root(dir_fd: int, key: str = "zarr.json"):
+    def spy_root(dir_fd: int, limit: int, key: str = "zarr.json"):
         read.append(key)
-        return real_root(dir_fd, key)
+        return real_root(dir_fd, limit, key)
 
-    def spy_bytes(dir_fd: int, key: str):
+    def spy_bytes(dir_fd: int, key: str, *args):
         read.append(key)
-        return real_bytes(dir_fd, key)
+        return real_bytes(dir_fd, key, *args)
 
     monkeypatch.setattr(zarr_store, "read_root_at", spy_root)
     monkeypatch.setattr(zarr_store, "read_bytes_at", spy_bytes)

@@ -90,5 +90,15 @@ def object_bytes(key: str, record: dict, allow_pickle: bool) -> io.BytesIO:
 
 
 def objects_attr(objects: dict[str, dict]) -> str:
-    return json.dumps({"version": VERSION, "objects": objects}, separators=(",", ":"),
+    """The ``dcp`` root attribute of ``objects``; refused before the commit when it is larger
+    than a load reads (:data:`MAX_TEXT`), naming the largest objects."""
+    text = json.dumps({"version": VERSION, "objects": objects}, separators=(",", ":"),
                       allow_nan=False)
+    if len(text) > MAX_TEXT:
+        sizes = sorted(((len(json.dumps(r)), k) for k, r in objects.items()), reverse=True)
+        largest = ", ".join(f"{k!r} ({n} characters)" for n, k in sizes[:3])
+        raise CheckpointError(
+            f"the non-tensor objects of this DCP state take {len(text)} characters, more than "
+            f"the {MAX_TEXT} a load reads; the largest: {largest}. Store large data as "
+            "tensors")
+    return text

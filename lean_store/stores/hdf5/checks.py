@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -33,8 +34,10 @@ def hdf5_superblock_offset(path: str | os.PathLike) -> int | None:
     return None
 
 
-def read_hdf5_attrs(obj: Any, where: str) -> dict[str, Any]:
-    """Attributes of an h5py object, each checked for type and size *before* it is read."""
+def read_hdf5_attrs(obj: Any, where: str, limits: Mapping[str, int] | None = None
+                    ) -> dict[str, Any]:
+    """Attributes of an h5py object, each checked for type and size (at most
+    :data:`MAX_ATTR_BYTES`, or ``limits[name]``) *before* it is read."""
     import h5py
 
     try:
@@ -64,7 +67,8 @@ def read_hdf5_attrs(obj: Any, where: str) -> dict[str, Any]:
             )
         if dtype.kind not in "iufb" and not is_str:
             raise IntegrityError(f"{where}: attribute {name!r} has an unsupported type {dtype}")
-        if count * max(1, dtype.itemsize) > MAX_ATTR_BYTES or (is_str and count > 1):
+        limit = MAX_ATTR_BYTES if limits is None else limits.get(name, MAX_ATTR_BYTES)
+        if count * max(1, dtype.itemsize) > limit or (is_str and count > 1):
             raise UnsafeFileError(f"{where}: attribute {name!r} claims {count} values; too large")
         try:
             raw = obj.attrs[name]  # tables of numbers stay arrays (not tuples)
@@ -73,7 +77,7 @@ def read_hdf5_attrs(obj: Any, where: str) -> dict[str, Any]:
             )
         except (OSError, RuntimeError, ValueError, TypeError, KeyError, UnicodeError) as exc:
             raise IntegrityError(f"{where}: unreadable attribute {name!r} ({exc})") from None
-        if isinstance(value, str) and len(value) > MAX_ATTR_BYTES:
+        if isinstance(value, str) and len(value) > limit:
             raise UnsafeFileError(f"{where}: attribute {name!r} is absurdly long")
         out[name] = value
     return out

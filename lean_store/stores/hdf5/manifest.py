@@ -124,13 +124,15 @@ def _int_tuple(value: Any, what: str, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def manifest_items(text: Any, where: str, what: str, version: int, max_depth: int
-                   ) -> list[Any]:
+def manifest_items(text: Any, where: str, what: str, version: int, max_depth: int,
+                   limit: int = MAX_ATTR_BYTES) -> list[Any]:
     """The ``tensors`` list of a JSON manifest attribute (``what``: its name in errors): the
-    text's size and nesting checked before it is parsed, then its ``version``."""
+    text's size (at most ``limit``: the file's root attribute limit,
+    :func:`~lean_store.hardening.root_attr_limit`) and nesting checked before it is parsed,
+    then its ``version``."""
     if not isinstance(text, str):
         raise IntegrityError(f"{where}: the {what} attribute is not a string")
-    if len(text) > MAX_ATTR_BYTES:
+    if len(text) > limit:
         raise UnsafeFileError(f"{where}: {what} of {len(text)} bytes is too large")
     depth = json_depth(text)
     if depth > max_depth:
@@ -147,7 +149,8 @@ def manifest_items(text: Any, where: str, what: str, version: int, max_depth: in
     return items
 
 
-def parse_manifest(text: Any, where: str) -> dict[str, TensorRecord]:
+def parse_manifest(text: Any, where: str, limit: int = MAX_ATTR_BYTES
+                   ) -> dict[str, TensorRecord]:
     """node -> record, every field type-checked; its size and nesting are checked on the raw
     text before it is parsed, and its tables against the chunk grids they claim to cover.
 
@@ -156,7 +159,7 @@ def parse_manifest(text: Any, where: str) -> dict[str, TensorRecord]:
     and its least item, and every record's ``chunk_crc32c`` values go into one uint32 array,
     of which each record's table is a slice (checked by :func:`.crc_table.parse_table` only
     where it does not hold one value per chunk of row blocks, to name the problem)."""
-    items = manifest_items(text, where, "manifest", MANIFEST_VERSION, MAX_MANIFEST_DEPTH)
+    items = manifest_items(text, where, "manifest", MANIFEST_VERSION, MAX_MANIFEST_DEPTH, limit)
     rows: list[tuple[str, dict[str, Any], tuple[int, ...], tuple[int, ...], int]] = []
     values: list[int] = []
     seen: set[str] = set()

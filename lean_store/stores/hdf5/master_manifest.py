@@ -19,6 +19,7 @@ from typing import Any
 
 from ...distributed.shard_spec import Box
 from ...errors import IntegrityError, UnsafeFileError
+from ...hardening import MAX_ATTR_BYTES
 from .manifest import manifest_items, value_differences
 
 MASTER_MANIFEST_ATTR = "master_manifest"
@@ -83,10 +84,12 @@ def _source(item: Any, rank: int, node: str, where: str) -> Mapping:
     return box, fname, dset
 
 
-def parse_master_manifest(text: Any, where: str) -> dict[str, MasterRecord]:
+def parse_master_manifest(text: Any, where: str, limit: int = MAX_ATTR_BYTES
+                          ) -> dict[str, MasterRecord]:
     """node -> record, every field type-checked; its size and nesting are checked on the raw
     text before it is parsed, and every source name against the shard naming rules."""
-    items = manifest_items(text, where, "master manifest", MASTER_MANIFEST_VERSION, MAX_DEPTH)
+    items = manifest_items(text, where, "master manifest", MASTER_MANIFEST_VERSION, MAX_DEPTH,
+                           limit)
     out: dict[str, MasterRecord] = {}
     for item in items:
         if not isinstance(item, dict) or set(item) != _RECORD_KEYS:

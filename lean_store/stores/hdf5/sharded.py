@@ -245,7 +245,8 @@ class ShardedHDF5Reader(HDF5Reader):
     def _master(self) -> dict[str, MasterRecord] | None:
         """node -> record of the ``master_manifest`` attribute; None in masters without one."""
         if self._master_records is None and self._master_text is not None:
-            self._master_records = parse_master_manifest(self._master_text, self._where)
+            self._master_records = parse_master_manifest(self._master_text, self._where,
+                                                         self._root_limit)
             self._master_text = None
         return self._master_records
 

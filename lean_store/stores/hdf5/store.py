@@ -28,7 +28,7 @@ from ...chunking import Region, chunk_count, chunk_number, grid_shape, plan_chun
 from ...errors import CheckpointError, IntegrityError, UnsafeFileError
 from ...fork_safe import ForkSafeLock
 from ...formats import ScalarFormat
-from ...hardening import check_chunk_shape
+from ...hardening import check_chunk_shape, root_attr_limit
 from ...integrity import crc32c_combine, crc32c_of, crc_workers
 from ...layout import Entry
 from ...naming import node_name
@@ -85,6 +85,7 @@ from .manifest import (
     attribute_differences,
     parse_manifest,
 )
+from .master_manifest import MASTER_MANIFEST_ATTR
 from .small_writes import SmallChunkWrites, write_padded
 from .types import hdf5_type, needs_nbit
 from .verify import structure_problems
@@ -560,7 +561,11 @@ class HDF5Reader(StoreReader):
         except (OSError, ValueError) as exc:
             raise IntegrityError(f"{source}: not a readable HDF5 file ({exc})") from None
         try:
-            self.root_attrs = read_hdf5_attrs(self._file, str(source))
+            # root attributes that grow with the tensors (the manifest, the layout) may be as
+            # large as the file that holds them
+            self._root_limit = root_attr_limit(_file_size(self._file))
+            self.root_attrs = read_hdf5_attrs(
+                self._file, str(source), dict.fromkeys(GROWING_ROOT_ATTRS, self._root_limit))
             # parsed on first use, after the header checks (parse_root) passed
             self._manifest_text = self.root_attrs.pop(MANIFEST_ATTR, None)
             self._digest_table = self.root_attrs.pop(DIGESTS_ATTR, None)
@@ -606,7 +611,8 @@ class HDF5Reader(StoreReader):
     def _manifest(self) -> dict[str, TensorRecord] | None:
         """node -> record from the root ``manifest`` attribute; None in files without one."""
         if self._manifest_records is None and self._manifest_text is not None:
-            records = self._manifest_records = parse_manifest(self._manifest_text, self._where)
+            records = self._manifest_records = parse_manifest(self._manifest_text, self._where,
+                                                              self._root_limit)
             if self._digest_table is not None:
                 rows = parse_digests(self._digest_table, self._manifest_text, len(records))
                 if rows is not None:  # kept as the array (a list of rows: ~0.5 kB each)
@@ -1412,6 +1418,19 @@ def _h5_descriptor(file: h5py.File) -> tuple[int | None, int]:
     if not isinstance(fd, int) or not stat.S_ISREG(info.st_mode) or info.st_size != size:
         return None, 0
     return fd, info.st_size
+
+
+GROWING_ROOT_ATTRS = ("layout", MANIFEST_ATTR, DIGESTS_ATTR, MASTER_MANIFEST_ATTR)
+"""Root attributes whose size grows with the number of tensors: read up to
+:func:`~lean_store.hardening.root_attr_limit` (any other: ``MAX_ATTR_BYTES``)."""
+
+
+def _file_size(file: h5py.File) -> int:
+    """The size of the file HDF5 has open (0 where it cannot tell)."""
+    try:
+        return int(file.id.get_filesize())
+    except (OSError, RuntimeError, ValueError, TypeError):
+        return 0
 
 
 def _write_descriptor(file: h5py.File) -> int | None:

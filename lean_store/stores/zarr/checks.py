@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ...chunking import grid_shape
-from ...errors import IntegrityError, UnsafeFileError
+from ...errors import CheckpointError, IntegrityError, UnsafeFileError
 from ...hardening import (
     MAX_METADATA_BYTES,
     MAX_SHARD_BYTES,
@@ -21,6 +21,7 @@ from ...hardening import (
     check_chunk_shape,
     check_json_depth,
     file_kind,
+    root_document_limit,
 )
 from . import shard_index
 from .plain import PlainArray
@@ -37,6 +38,9 @@ class LocalTree:
     root: Path
     files: dict[str, int | None] = field(default_factory=dict)  # key -> size, None: not read
     pin: Any = None  # a PinnedRoot (``.fd``: the root directory held open), or None
+    # the most bytes the root document may have (:func:`root_document_limit` of the array
+    # documents the walk found)
+    root_limit: int = MAX_METADATA_BYTES
     _by_node: dict[str, list[str]] | None = None
 
     def under(self, node: str) -> list[str]:
@@ -83,7 +87,9 @@ class LocalTree:
 
 def scan_local_zarr(root: Path, pin: Any = None) -> LocalTree:
     """Walk a Zarr directory once, without following links: reject any symlink or special
-    file, and over-large metadata documents. The walk is bounded by what is on disk. A
+    file, and over-large metadata documents (an array's: :data:`MAX_METADATA_BYTES`; the
+    root's, once the walk is done: :func:`root_document_limit` of the array documents found,
+    kept as ``root_limit``). The walk is bounded by what is on disk. A
     document's nesting (the root's, an array's own) is checked by whoever parses it:
     :func:`read_json_at`, or :func:`check_zarr_document` before zarr opens it.
 
@@ -119,7 +125,38 @@ def scan_local_zarr(root: Path, pin: Any = None) -> LocalTree:
                         _neither(entry, prefix, files)
         except OSError as exc:
             raise IntegrityError(f"{prefix or '.'}: unreadable directory ({exc})") from None
+    _bound_root(tree)
     return tree
+
+
+def _bound_root(tree: LocalTree) -> None:
+    """The root document's limit from the array documents the walk found, and its size
+    checked against it."""
+    size = tree.files.get("zarr.json")
+    if size is None:
+        return
+    documents = sum(n or 0 for key, n in tree.files.items()
+                    if key != "zarr.json" and key.endswith("/zarr.json"))
+    tree.root_limit = root_document_limit(documents)
+    if size > tree.root_limit:
+        raise UnsafeFileError(f"zarr.json: {size} bytes of metadata, more than the "
+                              f"{tree.root_limit} its {documents} bytes of array documents "
+                              "allow")
+
+
+def check_root_size(root: Path, documents: dict[str, str]) -> None:
+    """A save's check, before its commit, that a load will read the root ``zarr.json`` it
+    wrote at ``root``: at most :func:`root_document_limit` of the array documents
+    ``documents`` (node -> text as written). Else :class:`CheckpointError`: the root's own
+    attributes are too large."""
+    size = (root / "zarr.json").stat().st_size
+    written = sum(len(text) for text in documents.values())
+    if size > root_document_limit(written):
+        raise CheckpointError(
+            f"{root.name}: the root zarr.json would be {size} bytes, more than the "
+            f"{root_document_limit(written)} a load reads for {len(documents)} arrays: the root "
+            "attributes (the training metadata: the JSON values of extra= and data=) are too "
+            "large; keep large values out of them, or pass them as arrays or tensors")
 
 
 def _lstat(entry: os.DirEntry[str], key: str) -> os.stat_result:
@@ -133,12 +170,12 @@ def _lstat(entry: os.DirEntry[str], key: str) -> os.stat_result:
 
 def _document_size(entry: os.DirEntry[str], prefix: str) -> int:
     """The size of the ``zarr.json`` at ``entry`` (one ``lstat``), at most
-    ``MAX_METADATA_BYTES``."""
+    ``MAX_METADATA_BYTES`` but for the root's (bounded once the walk is done)."""
     key = prefix + entry.name
     info = _lstat(entry, key)
     if not stat.S_ISREG(info.st_mode):  # replaced since it was listed
         raise IntegrityError(f"{key}: changed while the checkpoint was read")
-    if info.st_size > MAX_METADATA_BYTES:
+    if info.st_size > MAX_METADATA_BYTES and prefix:
         raise UnsafeFileError(f"{key}: {info.st_size} bytes of metadata")
     return info.st_size
 
@@ -151,7 +188,7 @@ def _neither(entry: os.DirEntry[str], prefix: str, files: dict[str, int | None])
     info = _lstat(entry, key)
     mode = info.st_mode
     if stat.S_ISREG(mode):
-        if entry.name == "zarr.json" and info.st_size > MAX_METADATA_BYTES:
+        if entry.name == "zarr.json" and info.st_size > MAX_METADATA_BYTES and prefix:
             raise UnsafeFileError(f"{key}: {info.st_size} bytes of metadata")
         files[key] = info.st_size
         return
@@ -162,24 +199,26 @@ def _neither(entry: os.DirEntry[str], prefix: str, files: dict[str, int | None])
     raise UnsafeFileError(f"{key}: {file_kind(mode)} inside the checkpoint")
 
 
-def check_zarr_document(root: Path, key: str) -> None:
-    """Bounded size and nesting of the metadata document ``key`` below ``root``, checked on
-    the raw bytes before zarr parses them."""
+def check_zarr_document(root: Path, key: str, limit: int | None = None) -> None:
+    """Bounded size (``limit`` bytes) and nesting of the metadata document ``key`` below
+    ``root``, checked on the raw bytes before zarr parses them (``None``:
+    :data:`MAX_METADATA_BYTES`)."""
+    limit = MAX_METADATA_BYTES if limit is None else limit
     try:
         with (root / key).open("rb") as f:
-            raw = f.read(MAX_METADATA_BYTES + 1)
+            raw = f.read(limit + 1)
     except OSError:
         return  # missing or unreadable: the zarr open that follows reports it
-    if len(raw) > MAX_METADATA_BYTES:
-        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
+    if len(raw) > limit:
+        raise UnsafeFileError(f"{key}: more than {limit} bytes of metadata")
     check_json_depth(raw, key)
 
 
-def read_json_at(dir_fd: int, key: str) -> Any:
+def read_json_at(dir_fd: int, key: str, limit: int | None = None) -> Any:
     """The JSON document at ``key`` below the directory ``dir_fd`` (no link followed), with
-    the bounds of :func:`scan_local_zarr` (size, nesting) checked on the raw bytes before it is
-    parsed. Missing, unreadable or malformed: :class:`IntegrityError`."""
-    return parse_json(read_bytes_at(dir_fd, key), key)
+    the bounds of :func:`scan_local_zarr` (size: ``limit``, nesting) checked on the raw bytes
+    before it is parsed. Missing, unreadable or malformed: :class:`IntegrityError`."""
+    return parse_json(read_bytes_at(dir_fd, key, limit), key)
 
 
 def parse_json(raw: bytes, key: str) -> Any:
@@ -192,11 +231,12 @@ def parse_json(raw: bytes, key: str) -> Any:
         raise IntegrityError(f"{key}: not valid JSON ({exc})") from None
 
 
-def read_root_at(dir_fd: int, key: str = "zarr.json") -> RootText:
-    """The root document at ``key`` as :func:`read_json_at` reads it, with the text of its
-    consolidated members kept (:mod:`.root_text`: an array's own document is compared with
-    its copy there as text first)."""
-    raw = read_bytes_at(dir_fd, key)
+def read_root_at(dir_fd: int, limit: int, key: str = "zarr.json") -> RootText:
+    """The root document at ``key`` (at most ``limit`` bytes: ``LocalTree.root_limit``) as
+    :func:`read_json_at` reads it, with the text of its consolidated members kept
+    (:mod:`.root_text`: an array's own document is compared with its copy there as text
+    first)."""
+    raw = read_bytes_at(dir_fd, key, limit)
     check_json_depth(raw, key)
     try:
         return parse_root(raw)
@@ -210,10 +250,11 @@ _O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 
 _FIRST_READ = 64 << 10  # one read takes a whole array document (about 1 KiB) and more
 
 
-def read_bytes_at(dir_fd: int, key: str) -> bytes:
-    """The bytes of the metadata file ``key`` below ``dir_fd`` (at most
-    ``MAX_METADATA_BYTES``): one open and, for a document of less than 64 KiB, one read (a
-    read of a regular file returns fewer bytes than asked only at its end)."""
+def read_bytes_at(dir_fd: int, key: str, limit: int | None = None) -> bytes:
+    """The bytes of the metadata file ``key`` below ``dir_fd`` (at most ``limit``; ``None``:
+    :data:`MAX_METADATA_BYTES`): one open and, for a document of less than 64 KiB, one read
+    (a read of a regular file returns fewer bytes than asked only at its end)."""
+    limit = MAX_METADATA_BYTES if limit is None else limit
     try:
         fd = os.open(key, _O_READ, dir_fd=dir_fd)
     except OSError as exc:
@@ -221,19 +262,19 @@ def read_bytes_at(dir_fd: int, key: str) -> bytes:
     try:
         parts = []
         total, want = 0, _FIRST_READ
-        while total <= MAX_METADATA_BYTES:
+        while total <= limit:
             part = os.read(fd, want)
             parts.append(part)
             total += len(part)
             if len(part) < want:
                 break
-            want = min(max(want, total), MAX_METADATA_BYTES + 1 - total) or 1
+            want = min(max(want, total), limit + 1 - total) or 1
     except OSError as exc:
         raise IntegrityError(f"{key}: cannot be read ({exc.strerror})") from None
     finally:
         os.close(fd)
-    if total > MAX_METADATA_BYTES:
-        raise UnsafeFileError(f"{key}: more than {MAX_METADATA_BYTES} bytes of metadata")
+    if total > limit:
+        raise UnsafeFileError(f"{key}: more than {limit} bytes of metadata")
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 

@@ -39,7 +39,7 @@ import os
 import stat
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
@@ -50,6 +50,7 @@ import numpy as np
 
 from ...errors import CheckpointError
 from ...fork_safe import ForkSafeLock
+from ...hardening import MAX_METADATA_BYTES, root_document_limit
 from .chunk_keys import default_chunk_key, key_separator
 
 _CRC_BYTES = 4
@@ -139,7 +140,7 @@ def _consolidated(root: Path) -> dict[str, Any] | None:
     except OSError:
         return None
     try:
-        doc = read_json_at(fd, "zarr.json")
+        doc = read_json_at(fd, "zarr.json", _root_limit(fd))
     except CheckpointError:
         return None
     finally:
@@ -147,6 +148,26 @@ def _consolidated(root: Path) -> dict[str, Any] | None:
     copies = ((doc.get("consolidated_metadata") or {}) if isinstance(doc, dict) else {})
     members = copies.get("metadata") if isinstance(copies, dict) else None
     return members if isinstance(members, dict) else None
+
+
+def _root_limit(fd: int) -> int:
+    """The most bytes the root document of the store open at ``fd`` may have: the limit of
+    a load's walk (:func:`~lean_store.hardening.root_document_limit` of its array documents),
+    whose sizes are read only when the root is larger than any one document may be."""
+    try:
+        size = os.stat("zarr.json", dir_fd=fd, follow_symlinks=False).st_size
+        if size <= MAX_METADATA_BYTES:
+            return MAX_METADATA_BYTES
+        documents = 0
+        with os.scandir(fd) as listing:
+            for entry in listing:
+                if entry.is_dir(follow_symlinks=False):
+                    with suppress(FileNotFoundError):
+                        documents += os.stat(f"{entry.name}/zarr.json", dir_fd=fd,
+                                             follow_symlinks=False).st_size
+    except OSError:
+        return MAX_METADATA_BYTES
+    return root_document_limit(documents)
 
 
 _BASE: ContextVar[_Base | None] = ContextVar("lean_store_incremental_base", default=None)

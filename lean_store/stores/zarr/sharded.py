@@ -34,6 +34,7 @@ from ...naming import node_name
 from .. import sharded_layout
 from ..commit import is_url
 from ..sharded_layout import RankShardWriter, ShardedLayout
+from .checks import check_root_size
 from .chunk_keys import CHUNK_KEY_ENCODING
 from .compat import (
     consolidated_group_document,
@@ -207,14 +208,15 @@ def finish_documents(root: Path, plans: list[TensorPlan], docs: list[dict[str, A
         (root / node / "zarr.json").write_bytes(text.encode())
         written[node] = text
     try:
-        with open(root / "zarr.json", "rb") as f:
-            group = json.loads(f.read(MAX_DOCUMENT_BYTES))
+        with open(root / "zarr.json", "rb") as f:  # this save's own, written by rank 0
+            group = json.loads(f.read())
         attrs = dict(group["attributes"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{root}: unreadable group metadata ({exc})") from None
     attrs = {**attrs, **_plain(root_attrs), "complete": True}
     (root / "zarr.json").write_bytes(json_document_bytes(
         consolidated_group_document(attrs, written)))
+    check_root_size(root, written)
 
 
 class _ZarrRankWriter(RankShardWriter):

@@ -41,6 +41,7 @@ from ..base import (
 from ..ordered_pool import OrderedPool
 from .checks import (
     array_codec_names,
+    check_root_size,
     check_zarr_array,
     check_zarr_document,
     check_zarr_key,
@@ -417,6 +418,7 @@ class ZarrWriter(StoreWriter):
             attrs = {**_plain(root_attrs), "complete": True}  # a new group has none
             doc = consolidated_group_document(attrs, self._written)
             write_json_document(doc, self._direct_root / "zarr.json")
+            check_root_size(self._direct_root, self._written)
             return
         self._group.attrs.update(_plain(root_attrs))
         mark_complete(self._group)  # written last: a store without it is incomplete
@@ -468,8 +470,9 @@ class ZarrReader(StoreReader):
         pinned = isinstance(self._watch, PinnedRoot) and self._tree is not None
         if pinned and "zarr.json" in self._tree.files:  # type: ignore[union-attr]
             assert isinstance(self._watch, PinnedRoot)
+            assert self._tree is not None
             try:
-                self._root_text = read_root_at(self._watch.fd)
+                self._root_text = read_root_at(self._watch.fd, self._tree.root_limit)
                 root_doc = self._root_text.doc
             except IntegrityError:
                 root_doc = None  # zarr's open below reports it
@@ -481,7 +484,8 @@ class ZarrReader(StoreReader):
                 self._copies = root_doc["consolidated_metadata"]["metadata"]
                 return
         if self._tree is not None and root_doc is None and "zarr.json" in self._tree.files:
-            check_zarr_document(self._tree.root, "zarr.json")  # before zarr parses it
+            # before zarr parses it
+            check_zarr_document(self._tree.root, "zarr.json", self._tree.root_limit)
         try:
             self._group_handle = zarr.open_group(store=source, mode="r", zarr_format=3)
             self.root_attrs = dict(self._group_handle.attrs)
@@ -498,8 +502,8 @@ class ZarrReader(StoreReader):
                     check_zarr_document(self._tree.root, key)
         elif pinned:
             if root_doc is None:
-                assert isinstance(self._watch, PinnedRoot)
-                self._root_text = read_root_at(self._watch.fd)
+                assert isinstance(self._watch, PinnedRoot) and self._tree is not None
+                self._root_text = read_root_at(self._watch.fd, self._tree.root_limit)
                 root_doc = self._root_text.doc
             attrs = root_doc.get("attributes") if isinstance(root_doc, dict) else None
             if not isinstance(attrs, dict) or attrs.get("save_id") != self.root_attrs.get(
