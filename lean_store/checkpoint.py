@@ -26,6 +26,7 @@ from .encoded import Encoded
 from .errors import CheckpointError, CheckpointReplacedError, FormatError, IntegrityError
 from .fork_safe import ForkSafeLock
 from .formats import ScalarFormat, get
+from .gc_pause import collection_paused
 from .indexing import basic_index
 from .integrity import crc32c_combine, crc32c_update
 from .layout import Difference, Entry, Layout, layout_error, stored_rank_shape
@@ -723,10 +724,11 @@ def read_once(
 ) -> T:
     """``read(ck)`` on the checkpoint at ``path``; started over on the new checkpoint (up to
     OPEN_ATTEMPTS times, while ``may_retry()``) when a save replaces it before ``read`` is
-    done, so that everything returned comes from one checkpoint."""
+    done, so that everything returned comes from one checkpoint. Python's cyclic collector is
+    paused meanwhile (:mod:`.gc_pause`)."""
     for attempt in range(OPEN_ATTEMPTS):
         try:
-            with Checkpoint(path, storage_options=storage_options) as ck:
+            with collection_paused(), Checkpoint(path, storage_options=storage_options) as ck:
                 return read(ck)
         except CheckpointReplacedError:
             if attempt == OPEN_ATTEMPTS - 1 or not may_retry():

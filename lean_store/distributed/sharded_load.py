@@ -30,12 +30,12 @@ import numpy as np
 
 from ..chunking import DEFAULT_CHUNK_BYTES, Region, iter_regions, plan_chunks
 from ..errors import CheckpointError, IntegrityError
+from ..gc_pause import collection_paused
 from ..integrity import crc32c_update
 from ..sources.module_names import spelled_as
 from ..stores.hdf5.sharded import deferred_source_checks
 from .collective import Collective, stage
 from .dtensor_blocks import check_target_cover
-from .gc_pause import collection_paused
 from .local_state import Piece, layout_of, local_pieces, strided_boxes
 from .shard_spec import Box, reads_for
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..checkpoint import Checkpoint, as_values, is_module
 from ..errors import CheckpointError, IntegrityError
+from ..gc_pause import collection_paused
 from ..layout import Difference, Layout, layout_error
 from ..sources.module_names import respelled, spelled_as, spelled_under
 from ..statetree import decode, encode, tensor_names
@@ -230,8 +231,9 @@ class TrainingReader:
 def load_single(path: Any, *, model: Any, names_model: Any, optimizer: Any, rng: bool,
                 generators: Mapping[str, Any] | None, scheduled: Collection[str],
                 stacklevel: int, scheduler: Any = None, data: Any = None) -> TrainingInfo:
-    """Restore a training checkpoint in one process (see :func:`lean_store.load_training`)."""
-    with Checkpoint(path) as ck:
+    """Restore a training checkpoint in one process (see :func:`lean_store.load_training`);
+    Python's cyclic collector paused meanwhile (:mod:`..gc_pause`)."""
+    with collection_paused(), Checkpoint(path) as ck:
         prepared = prepare_load(ck, model=model, names_model=names_model, optimizer=optimizer,
                                 rng=rng, generators=generators, scheduled=scheduled,
                                 scheduler=scheduler, data=data)

@@ -12,7 +12,7 @@ from pathlib import Path
 import gloo_world
 import pytest
 
-from lean_store.distributed.gc_pause import collection_paused
+from lean_store.gc_pause import collection_paused
 
 HERE = Path(__file__).resolve()
 WORLD_TIMEOUT = 120
