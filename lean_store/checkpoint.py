@@ -156,7 +156,8 @@ class Checkpoint(Mapping[str, TensorHandle]):
         self._pool: ThreadPoolExecutor | None = None  # checks chunks while reading ahead
         for attempt in range(OPEN_ATTEMPTS):  # a save replaced the path while it was opened
             try:
-                self._open(path, backend, storage_options)
+                with collection_paused():  # the open's records are in no cycles (.gc_pause)
+                    self._open(path, backend, storage_options)
                 return
             except CheckpointReplacedError:
                 if attempt == OPEN_ATTEMPTS - 1:

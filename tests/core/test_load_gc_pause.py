@@ -1,7 +1,8 @@
 """Single-process loads pause Python's cyclic garbage collector while they run (a load of tens of
 thousands of tensors spent ~25 % of its time in collections finding no cycles) and restore it
 after: on success, when the load is refused, and leaving a collector the caller switched off,
-off. Saves leave it alone (measured: no gain)."""
+off. ``ls.open`` pauses it while it opens (and reads every record), not while the handle is
+held. Saves leave it alone (measured: no gain)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,21 @@ def test_load_training_pauses_the_collector(tmp_path, monkeypatch) -> None:
     ls.load_training(path, model=other, rng=False)
     assert states == [False] and gc.isenabled()
     assert torch.equal(other.weight, model.weight)
+
+
+def test_open_pauses_the_collector_while_it_opens_only(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "s.zarr"
+    ls.save(STATE, path)
+    states: list[bool] = []
+    real = Checkpoint._open
+
+    def spy(self, *args):
+        states.append(gc.isenabled())
+        return real(self, *args)
+
+    monkeypatch.setattr(Checkpoint, "_open", spy)
+    with ls.open(path) as ck:
+        assert states == [False]
+        assert gc.isenabled()  # not while the handle is held
+        assert np.array_equal(ck.read("a"), STATE["a"])
+    assert gc.isenabled()
