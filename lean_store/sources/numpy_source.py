@@ -9,7 +9,7 @@ import numpy as np
 
 from ..chunking import Region
 from ..encoded import Encoded
-from ..errors import CheckpointError, FormatError
+from ..errors import CheckpointError, FormatError, UnsupportedValueError
 from ..formats import ScalarFormat, of_numpy_dtype
 from ..layout import Entry, Layout
 from .base import SourceTensor, TargetTensor, TensorSource
@@ -33,6 +33,18 @@ def non_array_entry(obj: Mapping[Any, Any]) -> str | None:
                 "trainer state such as epochs and steps with lean_store.save_training, or leave "
                 "it out of the state passed to save"
             )
+    return None
+
+
+def masked_entry(name: str, value: Any) -> str | None:
+    """Why ``value`` (a numpy masked array) is refused, or None: its mask would be lost (the
+    values under the mask are whatever its data holds)."""
+    if isinstance(value, np.ma.MaskedArray):
+        return (
+            f"state entry {name!r} is a numpy masked array; lean_store stores plain arrays, so "
+            "its mask would be lost: save value.filled(fill) or its .data and .mask as two "
+            "tensors"
+        )
     return None
 
 
@@ -88,6 +100,9 @@ class MappingSource(TensorSource):
         for name, value in state.items():
             if not isinstance(name, str):
                 raise CheckpointError(f"tensor names must be strings, got {name!r}")
+            why = masked_entry(name, value)
+            if why is not None:
+                raise UnsupportedValueError(why)
             values[name] = np.asarray(value) if isinstance(value, np.generic) else value
         self._values = values
         self.layout = Layout.from_specs(

@@ -17,7 +17,7 @@ from ..layout import Entry, Layout
 from ..stream import CopyEngine
 from .base import SourceTensor, TargetTensor, TensorSource
 from .module_names import canonical_state
-from .numpy_source import ArraySourceTensor, ArrayTarget, format_of_value
+from .numpy_source import ArraySourceTensor, ArrayTarget, format_of_value, masked_entry
 
 _TAGS: dict[Any, str] = {
     torch.float64: "float64",
@@ -227,7 +227,7 @@ def unsupported_entry(name: str, value: Any, state: Mapping[str, Any]) -> str | 
             )
         return None
     if isinstance(value, (np.ndarray, Encoded)):
-        return None
+        return masked_entry(name, value)
     what = _a(type(value).__name__)
     if _is_quantized_state(state):
         return f"state entry {name!r} ({what}) belongs to a quantized module; {_QUANTIZED_HINT}"

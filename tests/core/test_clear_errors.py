@@ -263,3 +263,16 @@ def test_longest_storable_name_round_trips_in_zarr(tmp_path) -> None:
     assert np.array_equal(ls.load_state(out)[name], np.arange(3.0))
     with pytest.raises(ls.LayoutError, match="255 bytes"):
         ls.save({name + "b": np.arange(3.0)}, tmp_path / "over.zarr")
+
+
+def test_masked_array_is_refused_so_its_mask_is_not_lost(tmp_path) -> None:
+    masked = np.ma.array([1.0, 2.0, 3.0], mask=[False, True, False])
+    _refused(tmp_path, {"w": np.ones(2), "m": masked}, names="'m'", hint=".filled(")
+    path = tmp_path / "ok.h5"
+    ls.save({"m": np.arange(3.0)}, path)
+    with pytest.raises(UnsupportedValueError, match="masked array"):
+        ls.load({"m": masked}, path)  # as a target: what it shows would not be what was loaded
+    assert masked.data.tolist() == [1.0, 2.0, 3.0]
+    (tmp_path / "ok.h5").unlink()
+    torch = pytest.importorskip("torch")
+    _refused(tmp_path, {"t": torch.ones(2), "m": masked}, names="'m'", hint=".filled(")
