@@ -18,6 +18,7 @@ every checkpoint convertible between the backends.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from urllib.parse import unquote_to_bytes
 
 from .errors import LayoutError, listing
 
@@ -37,6 +38,23 @@ def node_name(name: str) -> str:
     if node.lower() in RESERVED_NODE_NAMES:  # all of [A-Za-z0-9._-]: its first is a letter
         return f"%{ord(node[0]):02X}{node[1:]}"
     return node
+
+
+def tensor_name(node: str) -> str:
+    """The tensor name a node name stands for (:func:`node_name` undone: every ``%XX`` escape
+    decoded), for messages about a tensor that a store knows by its node; a node that is no
+    escape of a name is returned as it is."""
+    if "%" not in node:
+        return node
+    try:
+        return unquote_to_bytes(node).decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return node
+
+
+def tensor_ref(node: str) -> str:
+    """``tensor 'name'`` for the tensor stored at ``node``, as messages name it."""
+    return f"tensor {tensor_name(node)!r}"
 
 
 def legacy_node_name(name: str) -> str | None:

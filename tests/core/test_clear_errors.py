@@ -276,3 +276,36 @@ def test_masked_array_is_refused_so_its_mask_is_not_lost(tmp_path) -> None:
     (tmp_path / "ok.h5").unlink()
     torch = pytest.importorskip("torch")
     _refused(tmp_path, {"t": torch.ones(2), "m": masked}, names="'m'", hint=".filled(")
+
+
+def test_node_names_turn_back_into_tensor_names() -> None:
+    from lean_store.naming import node_name, tensor_name
+
+    names = ["model/0.weight", "é/ü", "%41", "_x", ".hidden", "zarr.json", "a b\tc", "🙂",
+             "plain.name-1", "\ud800x"]
+    for name in names:
+        assert tensor_name(node_name(name)) == name, name
+    assert tensor_name("no-escape") == "no-escape"
+    assert tensor_name("%FF%FE") == "%FF%FE"  # no UTF-8: shown as the node it is
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_damaged_chunk_is_reported_under_the_tensor_name(tmp_path, suffix) -> None:
+    """Training checkpoints name tensors ``model/...``; a store knows them by their node name
+    (``model%2F...``), which a message must not show in place of the name."""
+    values = np.arange(1000, dtype=np.float32) * 3.25
+    path = tmp_path / f"t{suffix}"
+    ls.save({"model/0.weight": values}, path)
+    if suffix == ".h5":
+        raw = bytearray(path.read_bytes())
+        at = raw.find(values.tobytes()[:64])
+        raw[at + 100] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    else:
+        (chunk,) = [p for p in (path / "model%2F0.weight").iterdir() if p.name != "zarr.json"]
+        raw = bytearray(chunk.read_bytes())
+        raw[100] ^= 0xFF
+        chunk.write_bytes(bytes(raw))
+    with pytest.raises(ls.IntegrityError) as info:
+        ls.load_state(path)
+    assert "'model/0.weight'" in str(info.value) and "%2F" not in str(info.value)

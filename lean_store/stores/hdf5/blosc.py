@@ -35,6 +35,7 @@ from numcodecs import blosc
 from numcodecs.fletcher32 import Fletcher32
 
 from ...errors import IntegrityError, UnsafeFileError
+from ...naming import tensor_ref
 from ..blosc_frames import FORMAT, compress, decode_frame, frame_size_limit
 from ..ordered_pool import OrderedPool
 from .libhdf5 import chunk_lock
@@ -161,12 +162,12 @@ def _stored_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes: in
                 return mask, np.frombuffer(raw, np.uint8)
             info = dsid.get_chunk_info_by_coord(start)
     except (OSError, RuntimeError, ValueError, KeyError) as exc:
-        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} unreadable ({exc})"
+        raise IntegrityError(f"{tensor_ref(node)}: HDF5 chunk at {start} unreadable ({exc})"
                              ) from None
     offset, size = info.byte_offset, info.size
     limit = frame_size_limit(chunk_nbytes) + (4 if fletcher32 else 0)
     if offset is None or size is None or size > limit or offset + size > file_size:
-        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} has a bad chunk record "
+        raise IntegrityError(f"{tensor_ref(node)}: HDF5 chunk at {start} has a bad chunk record "
                              f"({offset}, {size} bytes; at most {limit}, file {file_size})")
     return int(info.filter_mask), _pread_frame(node, fd, offset, size, limit, start)
 
@@ -182,10 +183,10 @@ def _pread_frame(node: str, fd: int, offset: int, size: int, limit: int,
     try:
         got = os.preadv(fd, [stored], offset)  # type: ignore[list-item]  # numpy stubs: __buffer__ 3.12+
     except OSError as exc:
-        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} unreadable ({exc})"
+        raise IntegrityError(f"{tensor_ref(node)}: HDF5 chunk at {start} unreadable ({exc})"
                              ) from None
     if got != size:
-        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} is truncated")
+        raise IntegrityError(f"{tensor_ref(node)}: HDF5 chunk at {start} is truncated")
     return stored
 
 
@@ -200,7 +201,7 @@ def read_blosc_chunk(node: str, dsid: Any, start: tuple[int, ...], chunk_nbytes:
     it would load as a plugin."""
     mask, stored = _stored_chunk(node, dsid, start, chunk_nbytes, fletcher32, fd, file_size)
     if mask != 0:
-        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} skips filters (mask "
+        raise IntegrityError(f"{tensor_ref(node)}: HDF5 chunk at {start} skips filters (mask "
                              f"{mask:#x}); Blosc chunks are never stored so")
     _decode_stored(node, start, stored, chunk_nbytes, fletcher32, dst)
 
@@ -225,10 +226,10 @@ def _decode_stored(node: str, start: tuple[int, ...], stored: np.ndarray, chunk_
         try:
             stored = np.frombuffer(_FLETCHER32.decode(stored), np.uint8)
         except RuntimeError as exc:
-            raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start}: {exc}") from None
+            raise IntegrityError(f"{tensor_ref(node)}: HDF5 chunk at {start}: {exc}") from None
     problem = decode_frame(stored, chunk_nbytes, dst)
     if problem is not None:
-        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start} {problem}; the file is "
+        raise IntegrityError(f"{tensor_ref(node)}: HDF5 chunk at {start} {problem}; the file is "
                              "corrupt")
 
 

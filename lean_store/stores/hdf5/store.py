@@ -31,7 +31,7 @@ from ...formats import ScalarFormat
 from ...hardening import check_chunk_shape, root_attr_limit
 from ...integrity import crc32c_combine, crc32c_of, crc_workers
 from ...layout import Entry
-from ...naming import node_name
+from ...naming import node_name, tensor_ref
 from ..base import (
     ChunkProblem,
     Selection,
@@ -1076,10 +1076,10 @@ class HDF5Reader(StoreReader):
             try:
                 raw = os.pread(self._fd, size, offset)
             except OSError as exc:
-                raise IntegrityError(f"tensor {node!r}: chunk {origin} unreadable ({exc})"
+                raise IntegrityError(f"{tensor_ref(node)}: chunk {origin} unreadable ({exc})"
                                      ) from None
             if len(raw) != size:
-                raise IntegrityError(f"tensor {node!r}: chunk {origin} is truncated")
+                raise IntegrityError(f"{tensor_ref(node)}: chunk {origin} is truncated")
             _fletcher32_into(node, origin, raw, out)
             return True
         assert fletcher32 is not None
@@ -1234,9 +1234,9 @@ class HDF5Reader(StoreReader):
         try:
             got = os.preadv(self._fd, [flat], offset)  # type: ignore[arg-type,list-item]  # numpy stubs: __buffer__ 3.12+
         except OSError as exc:
-            raise IntegrityError(f"tensor {node!r}: chunk {coords} unreadable ({exc})") from None
+            raise IntegrityError(f"{tensor_ref(node)}: chunk {coords} unreadable ({exc})") from None
         if got != flat.nbytes:
-            raise IntegrityError(f"tensor {node!r}: chunk {coords} is truncated")
+            raise IntegrityError(f"{tensor_ref(node)}: chunk {coords} is truncated")
 
     def _chunk_offset(self, node: str, ds: h5d.DatasetID | None, coords: tuple[int, ...],
                       out: np.ndarray) -> int | None:
@@ -1278,7 +1278,8 @@ class HDF5Reader(StoreReader):
         if offset is None or mask != 0 or size != full or out.nbytes > size:
             return None
         if offset + size > self._file_size:
-            raise IntegrityError(f"tensor {node!r}: chunk {coords} lies past the end of the file")
+            raise IntegrityError(f"{tensor_ref(node)}: chunk {coords} lies past the end of the "
+                                 "file")
         return int(offset)
 
     def _read_chunk(self, node: str, ds: h5d.DatasetID, selection: Selection, out: Any
@@ -1340,15 +1341,15 @@ class HDF5Reader(StoreReader):
             return None
         offset = found[1]
         if offset + size > self._file_size:
-            raise IntegrityError(f"tensor {node!r}: chunk at {start} lies past the end of the "
+            raise IntegrityError(f"{tensor_ref(node)}: chunk at {start} lies past the end of the "
                                  "file")
         try:
             raw = os.pread(fd, size, offset)
         except OSError as exc:
-            raise IntegrityError(f"tensor {node!r}: chunk at {start} unreadable ({exc})"
+            raise IntegrityError(f"{tensor_ref(node)}: chunk at {start} unreadable ({exc})"
                                  ) from None
         if len(raw) != size:
-            raise IntegrityError(f"tensor {node!r}: chunk at {start} is truncated")
+            raise IntegrityError(f"{tensor_ref(node)}: chunk at {start} is truncated")
         return raw
 
     def close(self) -> None:
@@ -1370,7 +1371,7 @@ def _fletcher32_into(node: str, start: tuple[int, ...], raw: bytes, out: np.ndar
     try:
         data = _FLETCHER32.decode(raw)
     except RuntimeError as exc:
-        raise IntegrityError(f"tensor {node!r}: HDF5 chunk at {start}: {exc}") from None
+        raise IntegrityError(f"{tensor_ref(node)}: HDF5 chunk at {start}: {exc}") from None
     flat = out.view(np.uint8).reshape(-1)
     flat[...] = np.frombuffer(data, np.uint8, count=flat.size)
 
@@ -1454,7 +1455,7 @@ def _h5read(node: str, ds: h5d.DatasetID, ftype: Any, selection: Selection, out:
     for its files and decodes Blosc chunks itself, whole chunks through ``H5Dread_chunk``)."""
     if BLOSC_FILTER in _filter_ids(ds):
         raise UnsafeFileError(
-            f"tensor {node!r}: a Blosc dataset is read by whole chunks with its chunk_crc32c "
+            f"{tensor_ref(node)}: a Blosc dataset is read by whole chunks with its chunk_crc32c "
             "table; this read would need HDF5's filter plugin, which lean_store never loads")
     count = selection.count
     fspace = ds.get_space()
@@ -1463,7 +1464,7 @@ def _h5read(node: str, ds: h5d.DatasetID, ftype: Any, selection: Selection, out:
     try:
         ds.read(h5s.create_simple(count), fspace, buf, mtype=ftype)
     except (OSError, RuntimeError, ValueError) as exc:
-        raise IntegrityError(f"tensor {node!r}: HDF5 read failed ({exc})") from None
+        raise IntegrityError(f"{tensor_ref(node)}: HDF5 read failed ({exc})") from None
 
 
 def _chunks_of(dsid: h5d.DatasetID) -> tuple[int, ...] | None:
@@ -1487,7 +1488,7 @@ def _prefix_of_chunk(shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
 def _crc_mismatch(node: str, coords: tuple[int, ...], start: tuple[int, ...], crc: int,
                   expected: int) -> IntegrityError:
     return IntegrityError(
-        f"tensor {node!r}: chunk {coords} (elements from {start}) has crc32c {crc:#010x}, the "
+        f"{tensor_ref(node)}: chunk {coords} (elements from {start}) has crc32c {crc:#010x}, the "
         f"chunk_crc32c table says {expected:#010x}; the chunk is corrupt or misplaced"
     )
 

@@ -26,6 +26,7 @@ import numpy as np
 from ...chunking import chunk_number, touched_cells
 from ...errors import IntegrityError
 from ...integrity import crc32c_extend
+from ...naming import tensor_ref
 from . import shard_index
 from .blosc_read import blosc_layout, decode_chunk, stored_size_limit, stored_size_ok
 from .compat import chunk_key, regular_grid, sharding_document
@@ -188,7 +189,7 @@ class DirectReader:
         ))
 
     def _fail(self, coords: tuple[int, ...], what: str) -> IntegrityError:
-        return IntegrityError(f"tensor {self._node!r}: chunk {coords} {what}; the checkpoint is "
+        return IntegrityError(f"{tensor_ref(self._node)}: chunk {coords} {what}; the checkpoint is "
                               "corrupt or truncated")
 
     def _read_chunk(self, coords: tuple[int, ...], dst: np.ndarray, check: bool = True

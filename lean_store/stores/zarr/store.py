@@ -27,7 +27,7 @@ from ...chunking import Region, grow_chunks, plan_chunks
 from ...errors import CheckpointError, CheckpointReplacedError, IntegrityError, UnsafeFileError
 from ...formats import ScalarFormat
 from ...layout import Entry
-from ...naming import node_name
+from ...naming import node_name, tensor_ref
 from ...replacement import PinnedRoot, SaveIdWatch, check_unchanged
 from ..base import (
     ChunkProblem,
@@ -293,7 +293,7 @@ class _RecordedCrcs:
     def __getitem__(self, number: int) -> int:
         crc = self._crcs.get(int(number))
         if crc is None:
-            raise IntegrityError(f"tensor {self._node!r}: chunk {number} has no checked CRC")
+            raise IntegrityError(f"{tensor_ref(self._node)}: chunk {number} has no checked CRC")
         return crc
 
 
@@ -741,13 +741,13 @@ class ZarrReader(StoreReader):
                 return out, True
             return into, True
         if isinstance(array, PlainArray):  # pragma: no cover - always read directly
-            raise IntegrityError(f"tensor {node!r}: not readable from its files")
+            raise IntegrityError(f"{tensor_ref(node)}: not readable from its files")
         if self._tree is None:  # other stores: the chunks this read touches must exist
             check_zarr_keys_exist(node, array, touched_keys(node, array, selection))
         try:
             data = np.asarray(array[key])
         except Exception as exc:
-            raise IntegrityError(f"tensor {node!r}: Zarr read failed ({exc})") from None
+            raise IntegrityError(f"{tensor_ref(node)}: Zarr read failed ({exc})") from None
         words = np.ascontiguousarray(data).view(fmt.storage_dtype).reshape(out_shape)
         if out is not None:
             out[...] = words
