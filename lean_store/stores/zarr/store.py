@@ -625,8 +625,9 @@ class ZarrReader(StoreReader):
             if (self._root_text is None or not self._root_text.same_text(node, raw)) \
                     and parse_json(raw, key) != self._copies[node]:
                 raise IntegrityError(
-                    f"{node!r}: {node}/zarr.json disagrees with its copy in the consolidated "
-                    "metadata of the root zarr.json; the store was altered after it was written"
+                    f"{tensor_ref(node)}: {node}/zarr.json disagrees with its copy in the "
+                    "consolidated metadata of the root zarr.json; the store was altered after it "
+                    "was written"
                 )
         elif isinstance(array, PlainArray):  # pragma: no cover - described from a copy
             raise IntegrityError(f"{node!r}: no consolidated copy of its metadata")
