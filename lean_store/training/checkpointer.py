@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..distributed.collective import on_rank0
-from ..errors import CheckpointError, ForeignPathError
+from ..errors import CheckpointError, ForeignPathError, IntegrityError
 from ..options import SaveOptions, merge_options
 from ..stores.commit import remove_path
 from ..stores.registry import BACKENDS, backend_record
@@ -299,9 +299,21 @@ class Checkpointer:
             return load_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
                                  data=data, rng=rng, generators=generators,
                                  scheduled=scheduled, process_group=self.process_group)
-        return load_training(self._find(step), model=model, optimizer=optimizer,
-                             scheduler=scheduler, data=data, rng=rng, generators=generators,
-                             scheduled=scheduled)
+        path = self._find(step)
+        try:
+            return load_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
+                                 data=data, rng=rng, generators=generators,
+                                 scheduled=scheduled)
+        except IntegrityError as exc:
+            latest = self.latest()
+            older = [s for s in self.steps() if latest is not None and s < latest]
+            if step is not None or not older:
+                raise
+            raise type(exc)(
+                f"{exc}\nThe latest step ({path.name}) cannot be restored; nothing was changed. "
+                f"Older steps: {older[-5:]}. Check one with lean_store.verify, restore it with "
+                f"restore(step={older[-1]}, ...), and save the following steps with "
+                "overwrite=True (or move the damaged step away)") from exc
 
     def _find(self, step: int | None) -> Path:
         if step is None:

@@ -57,6 +57,43 @@ def test_keep_last_and_latest(tmp_path, backend):
     assert ck.steps() == [10, 11]
 
 
+def _damage_a_chunk(path, values) -> None:
+    """Flip a byte inside the stored words of ``values`` (an uncompressed tensor)."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    needle = values.detach().numpy().tobytes()[:32]
+    for file in files:
+        raw = bytearray(file.read_bytes())
+        at = raw.find(needle)
+        if at >= 0:
+            raw[at + 8] ^= 0xFF
+            file.write_bytes(bytes(raw))
+            return
+    raise AssertionError("the tensor's bytes were not found")
+
+
+def test_a_damaged_latest_step_names_the_older_ones(tmp_path, backend):
+    model, opt = _run()
+    ck = ls.Checkpointer(tmp_path / "run", backend=backend)
+    for step in range(3):
+        _step(model, opt)
+        ck.save(step, model=model, optimizer=opt)
+    _damage_a_chunk(ck.path(2), model[0].weight)
+    fresh, fresh_opt = _run(seed=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ls.IntegrityError) as info:
+        ck.restore(model=fresh, optimizer=fresh_opt)
+    message = str(info.value)
+    assert "'model/0.weight'" in message and "Older steps: [0, 1]" in message
+    assert "restore(step=1" in message and "overwrite=True" in message
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())  # untouched
+    with pytest.raises(ls.IntegrityError) as info:  # a step asked for: its own error alone
+        ck.restore(2, model=fresh)
+    assert "Older steps" not in str(info.value)
+    assert ck.restore(step=1, model=fresh, optimizer=fresh_opt).step == 1
+    ck.save(2, model=fresh, optimizer=fresh_opt, overwrite=True)
+    assert ck.restore(model=fresh).step == 2 and ls.verify(ck.path(2)).ok
+
+
 def test_unbounded_and_bad_arguments(tmp_path):
     model, opt = _run()
     _step(model, opt)
