@@ -24,6 +24,7 @@ from .errors import CheckpointError
 from .layout import Layout
 from .options import SaveOptions, merge_options, refuse
 from .sources import tensor_source
+from .stores.commit import at_call_time
 from .stores.registry import backend_for, backend_record
 from .writing import write_source
 
@@ -66,6 +67,8 @@ def write(
     if blocking:
         refuse(options, ("snapshot",), "blocking saves", "it sets how blocking=False copies the "
                "state")
+    else:  # the path the caller means now, whatever the working directory when it commits
+        path = at_call_time(path)
     if sharded:
         from .distributed.sharded_save import FrozenPieces, check_options
         from .distributed.sharded_save import save as sharded_save

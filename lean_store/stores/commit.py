@@ -47,6 +47,16 @@ def is_url(path: Any) -> TypeGuard[str]:
     return isinstance(path, str) and "://" in path
 
 
+def at_call_time(path: Any) -> Any:
+    """``path`` anchored to the working directory of now, for work that finishes later (a
+    background save): a relative path joined to the current directory, ``..`` and links left
+    for the file system to resolve as it would now; absolute paths and URLs as they are."""
+    if is_url(path):
+        return path
+    text = os.fspath(path)
+    return text if os.path.isabs(text) else os.path.join(os.getcwd(), text)
+
+
 def storage_options_for(url: str, given: dict[str, Any] | None = None) -> dict[str, Any]:
     """fsspec options for ``url``: ``given`` (endpoint, keys, ...) or, by default, none beyond
     creating local directories; s3fs then reads the standard AWS environment variables

@@ -37,7 +37,7 @@ from typing import Any
 from ..distributed.collective import on_rank0
 from ..errors import CheckpointError, ForeignPathError, IntegrityError
 from ..options import SaveOptions, merge_options
-from ..stores.commit import remove_path
+from ..stores.commit import at_call_time, remove_path
 from ..stores.registry import BACKENDS, backend_record
 from ..stores.target import check_replaceable
 from ..stores.zarr.incremental import Described, IncrementalStats, linking_from
@@ -92,7 +92,7 @@ class Checkpointer:
         if self.options.snapshot != SaveOptions().snapshot:
             raise CheckpointError("save option snapshot is not supported by Checkpointer: "
                                   "its saves block (the step is committed before pruning)")
-        self.directory = Path(directory)
+        self.directory = Path(at_call_time(directory))  # a later chdir moves no step
         self.keep_last = keep_last
         self.backend = backend
         self.process_group = process_group

@@ -131,3 +131,39 @@ def test_wait_timeout_and_context_manager(tmp_path, monkeypatch) -> None:
     with handle:
         pass
     assert handle.done() and (tmp_path / "ck.h5").is_file()
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_relative_path_means_the_directory_of_the_call(tmp_path, monkeypatch, suffix) -> None:
+    """A background save of ``"ck.h5"`` writes where the working directory was when it was
+    called, whatever the directory when it commits: the checkpoint landed in the new working
+    directory (over whatever was there) when the caller changed it before the save ended."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    state = {f"t{i}": np.full((200, 100), i, np.float64) for i in range(20)}
+    monkeypatch.chdir(first)
+    handle = ls.save(state, f"ck{suffix}", blocking=False)
+    monkeypatch.chdir(second)
+    handle.wait()
+    assert [p.name for p in first.iterdir()] == [f"ck{suffix}"]
+    assert list(second.iterdir()) == []
+    got = ls.load_state(first / f"ck{suffix}")
+    assert all(np.array_equal(got[k], v) for k, v in state.items())
+
+
+@needs_torch
+def test_a_checkpointer_keeps_the_directory_it_was_made_with(tmp_path, monkeypatch) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    ck = ls.Checkpointer("run", keep_last=2)
+    model = torch.nn.Linear(2, 2)
+    ck.save(0, model=model, rng=False)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for step in (1, 2):
+        ck.save(step, model=model, rng=False)
+    ck.finish_deletions()
+    assert ck.steps() == [1, 2] and ck.directory == tmp_path / "run"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        ck.path(1).name, ck.path(2).name]
+    assert list((tmp_path / "elsewhere").iterdir()) == []

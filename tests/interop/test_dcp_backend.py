@@ -133,6 +133,27 @@ def test_async_save(tmp_path):
         assert same(target[k], state[k]), k
 
 
+def test_async_save_of_a_relative_path_writes_where_it_was_called(tmp_path, monkeypatch):
+    """DCP's async_save writes from a thread: a StorageWriter made with a relative path
+    writes in the working directory of then, even when the caller changes it before the
+    write ends. (A relative ``checkpoint_id`` given to async_save is resolved in DCP's thread,
+    as DCP's own FileSystemWriter resolves it.)"""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    state = sample_state()
+    monkeypatch.chdir(tmp_path / "first")
+    writer = lsd.StorageWriter("async.zarr")
+    future = dcp.async_save(state, storage_writer=writer, no_dist=True)
+    monkeypatch.chdir(tmp_path / "second")
+    future.result()
+    assert [p.name for p in (tmp_path / "first").iterdir()] == ["async.zarr"]
+    assert list((tmp_path / "second").iterdir()) == []
+    target = empty_like_state(state)
+    dcp.load(target, storage_reader=lsd.StorageReader(tmp_path / "first" / "async.zarr"),
+             no_dist=True)
+    assert all(same(target[k], state[k]) for k in state)
+
+
 def test_checkpoint_id_and_overwrite_is_atomic(tmp_path):
     path = tmp_path / "step.zarr"
     writer = lsd.StorageWriter()

@@ -49,7 +49,7 @@ from ...layout import Layout
 from ...metadata import root_attrs
 from ...naming import check_names
 from ...sources.torch_source import format_of_dtype
-from ...stores.commit import Commit, is_url
+from ...stores.commit import Commit, at_call_time, is_url
 from ...stores.registry import backend_for, backend_record
 from .objects import ROOT_ATTR, encode_object, objects_attr
 
@@ -97,7 +97,8 @@ class StorageWriter(storage.StorageWriter):
                  chunk_bytes: int | None = None, compression: Any = None,
                  allow_pickle: bool = False) -> None:
         super().__init__()
-        self.path = None if path is None else path_string(path)
+        # anchored now: DCP's async_save writes from a thread, maybe after a chdir
+        self.path = None if path is None else at_call_time(path_string(path))
         self.backend = backend
         self.chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
         if self.chunk_bytes < MIN_CHUNK_BYTES:
@@ -117,7 +118,7 @@ class StorageWriter(storage.StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = path_string(checkpoint_id)
+            self.path = at_call_time(path_string(checkpoint_id))
         self.save_id = uuid.uuid4().hex
         self._location = None
         self._layout = None
