@@ -58,6 +58,17 @@ def run_world(script: Path, scenario: str, world: int, out: Path, *, timeout: fl
     ]
 
 
+def torch_world(tmp_path_factory: Any, script: Path, scenario: str, world: int, *,
+                timeout: float = 120) -> list[Any]:
+    """:func:`run_world` for a module-scoped fixture: skipped without torch, in a fresh
+    directory named after the scenario."""
+    from torch_optional import require_torch
+
+    require_torch()
+    out = tmp_path_factory.mktemp(f"world_{scenario}")
+    return run_world(script, scenario, world, out, timeout=timeout)
+
+
 def worker(scenarios: dict[str, Callable[[int, int, Path], Any]], scenario: str, rank: int,
            world: int, port: int, out: Path, *, timeout_s: float = 60) -> None:
     """One rank: join the gloo world, run the scenario, write its record."""

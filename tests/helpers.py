@@ -254,6 +254,19 @@ def flip_bits(file: Path, at: int, mask: int) -> None:
     file.write_bytes(bytes(raw))
 
 
+def damage_stored_bytes(path: Path, needle: bytes, offset: int, mask: int) -> None:
+    """XOR one byte, ``offset`` bytes into the first place ``needle`` (a tensor's stored words)
+    is found in the checkpoint at ``path`` (a file, or any file of a directory): damage an
+    uncompressed chunk in place."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for file in files:
+        at = file.read_bytes().find(needle)
+        if at >= 0:
+            flip_bits(file, at + offset, mask)
+            return
+    raise AssertionError("the stored bytes were not found on disk")
+
+
 def preload_library(tmp_path: Path, c_source: str) -> Path:
     """``c_source`` built into a shared library for ``LD_PRELOAD`` (a system call made to fail
     as a file system without that feature makes it fail). Skips only where no C compiler is."""

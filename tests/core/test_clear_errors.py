@@ -13,6 +13,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from helpers import damage_stored_bytes
 
 import lean_store as ls
 from lean_store import UnsupportedValueError
@@ -296,16 +297,7 @@ def test_a_damaged_chunk_is_reported_under_the_tensor_name(tmp_path, suffix) -> 
     values = np.arange(1000, dtype=np.float32) * 3.25
     path = tmp_path / f"t{suffix}"
     ls.save({"model/0.weight": values}, path)
-    if suffix == ".h5":
-        raw = bytearray(path.read_bytes())
-        at = raw.find(values.tobytes()[:64])
-        raw[at + 100] ^= 0xFF
-        path.write_bytes(bytes(raw))
-    else:
-        (chunk,) = [p for p in (path / "model%2F0.weight").iterdir() if p.name != "zarr.json"]
-        raw = bytearray(chunk.read_bytes())
-        raw[100] ^= 0xFF
-        chunk.write_bytes(bytes(raw))
+    damage_stored_bytes(path, values.tobytes()[:64], 100, 0xFF)
     with pytest.raises(ls.IntegrityError) as info:
         ls.load_state(path)
     assert "'model/0.weight'" in str(info.value) and "%2F" not in str(info.value)

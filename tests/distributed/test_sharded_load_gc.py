@@ -98,11 +98,7 @@ SCENARIOS = {"gc": scenario_gc}
 
 @pytest.fixture(scope="module")
 def gc_world(tmp_path_factory):
-    from torch_optional import require_torch
-
-    require_torch()
-    out = tmp_path_factory.mktemp("sharded_gc")
-    return gloo_world.run_world(HERE, "gc", 2, out, timeout=WORLD_TIMEOUT)
+    return gloo_world.torch_world(tmp_path_factory, HERE, "gc", 2, timeout=WORLD_TIMEOUT)
 
 
 def test_a_sharded_load_runs_with_the_collector_paused_and_restores_it(gc_world) -> None:

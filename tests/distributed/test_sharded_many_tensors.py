@@ -64,11 +64,7 @@ SCENARIOS = {"many": scenario_many}
 
 @pytest.fixture(scope="module")
 def many_world(tmp_path_factory):
-    from torch_optional import require_torch
-
-    require_torch()
-    out = tmp_path_factory.mktemp("sharded_many")
-    return gloo_world.run_world(HERE, "many", 2, out, timeout=WORLD_TIMEOUT)
+    return gloo_world.torch_world(tmp_path_factory, HERE, "many", 2, timeout=WORLD_TIMEOUT)
 
 
 def test_sharded_checkpoints_of_many_tensors_load(many_world) -> None:

@@ -19,6 +19,7 @@ import h5py
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import damage_stored_bytes
 from tool_runner import run_tool
 
 import lean_store as ls
@@ -145,17 +146,7 @@ def test_verify_names_the_bad_tensor_and_chunk_and_load_leaves_target_unchanged(
     with ls.open(path) as ck:
         assert ck["bad"].chunks == (8, 32)
     row = 5 * 8 + 3  # inside chunk (5, 0)
-    needle = state["bad"][row].tobytes()
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    for file in files:
-        raw = bytearray(file.read_bytes())
-        at = raw.find(needle)
-        if at >= 0:
-            raw[at + 7] ^= 0x10
-            file.write_bytes(bytes(raw))
-            break
-    else:
-        pytest.fail("row bytes not found on disk")
+    damage_stored_bytes(path, state["bad"][row].tobytes(), 7, 0x10)
     report = ls.verify(path)
     assert not report.ok
     assert report.bad_tensors == ["bad"]

@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import wait_for_child
+from helpers import damage_stored_bytes, wait_for_child
 from torch_optional import require_torch
 
 import lean_store as ls
@@ -57,27 +57,13 @@ def test_keep_last_and_latest(tmp_path, backend):
     assert ck.steps() == [10, 11]
 
 
-def _damage_a_chunk(path, values) -> None:
-    """Flip a byte inside the stored words of ``values`` (an uncompressed tensor)."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    needle = values.detach().numpy().tobytes()[:32]
-    for file in files:
-        raw = bytearray(file.read_bytes())
-        at = raw.find(needle)
-        if at >= 0:
-            raw[at + 8] ^= 0xFF
-            file.write_bytes(bytes(raw))
-            return
-    raise AssertionError("the tensor's bytes were not found")
-
-
 def test_a_damaged_latest_step_names_the_older_ones(tmp_path, backend):
     model, opt = _run()
     ck = ls.Checkpointer(tmp_path / "run", backend=backend)
     for step in range(3):
         _step(model, opt)
         ck.save(step, model=model, optimizer=opt)
-    _damage_a_chunk(ck.path(2), model[0].weight)
+    damage_stored_bytes(ck.path(2), model[0].weight.detach().numpy().tobytes()[:32], 8, 0xFF)
     fresh, fresh_opt = _run(seed=1)
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(ls.IntegrityError) as info:
