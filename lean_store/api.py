@@ -25,7 +25,7 @@ from .layout import Layout
 from .options import SaveOptions, merge_options, refuse
 from .sources import tensor_source
 from .stores.commit import at_call_time
-from .stores.registry import backend_for, backend_record
+from .stores.registry import backend_for, backend_record, checkpoint_path
 from .writing import write_source
 
 
@@ -64,6 +64,7 @@ def write(
     """Write ``state`` (a module, state dict or mapping of arrays) on the one path that
     ``sharded`` and ``blocking`` choose; each path honours every option of ``options`` or
     raises a CheckpointError naming the one it cannot."""
+    path = checkpoint_path(path)
     if blocking:
         refuse(options, ("snapshot",), "blocking saves", "it sets how blocking=False copies the "
                "state")

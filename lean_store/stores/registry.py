@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,23 @@ def backend_record(name: str) -> Backend:
         return RECORDS[name]
     except KeyError:
         raise CheckpointError(f"unknown backend {name!r}; use one of {BACKENDS}") from None
+
+
+def checkpoint_path(path: Any, *, stores: bool = False) -> Any:
+    """``path`` as the stores take it: a ``str`` or ``os.PathLike`` as it is, ``bytes`` (or a
+    PathLike of bytes) decoded as the file system names it (``os.fsdecode``), and with
+    ``stores`` a zarr store object (a reader's source). Anything else: CheckpointError naming
+    what it is, before anything is read or written."""
+    if isinstance(path, (str, bytes, os.PathLike)):
+        text = os.fspath(path)
+        return os.fsdecode(text) if isinstance(text, bytes) else path
+    zarr = sys.modules.get("zarr")  # a zarr store object exists only once zarr is imported
+    if stores and zarr is not None and isinstance(path, zarr.abc.store.Store):
+        return path
+    kinds = "a str or os.PathLike path, or a zarr store" if stores else (
+        "a str or os.PathLike path")
+    raise CheckpointError(f"a checkpoint location must be {kinds}, not "
+                          f"{type(path).__name__} {path!r:.60}")
 
 
 def backend_for(path: str | os.PathLike, backend: str | None = None) -> str:
@@ -113,6 +131,7 @@ def open_writer(
 def open_reader(path: Any, backend: str | None = None,
                 storage_options: dict[str, Any] | None = None) -> StoreReader:
     """A reader of the checkpoint at ``path`` (a path, a URL or a zarr store object)."""
+    path = checkpoint_path(path, stores=True)
     if storage_options is not None and not is_url(path):
         raise CheckpointError("storage_options apply to URLs (s3://..., file://...) only")
     if backend is None:

@@ -35,10 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from ..distributed.collective import on_rank0
-from ..errors import CheckpointError, ForeignPathError, IntegrityError
+from ..errors import CheckpointError, ForeignPathError, IntegrityError, SaveIOError
 from ..options import SaveOptions, merge_options
 from ..stores.commit import at_call_time, remove_path
-from ..stores.registry import BACKENDS, backend_record
+from ..stores.registry import BACKENDS, backend_record, checkpoint_path
 from ..stores.target import check_replaceable
 from ..stores.zarr.incremental import Described, IncrementalStats, linking_from
 from .api import load_training, save_training
@@ -92,7 +92,8 @@ class Checkpointer:
         if self.options.snapshot != SaveOptions().snapshot:
             raise CheckpointError("save option snapshot is not supported by Checkpointer: "
                                   "its saves block (the step is committed before pruning)")
-        self.directory = Path(at_call_time(directory))  # a later chdir moves no step
+        # anchored now: a later chdir moves no step
+        self.directory = Path(at_call_time(checkpoint_path(directory)))
         self.keep_last = keep_last
         self.backend = backend
         self.process_group = process_group
@@ -103,7 +104,16 @@ class Checkpointer:
         """Written and linked unit-file bytes of the last save, when it had a step to link to."""
         self._described: Described | None = None  # the last incremental save's arrays
         if create:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):
+                raise CheckpointError(
+                    f"cannot use {self.directory} as a Checkpointer's directory: it, or a "
+                    "folder above it, is a file (a Checkpointer writes its steps into a "
+                    "directory; to save one checkpoint to a file, use lean_store.save or "
+                    "save_training)") from None
+            except OSError as exc:
+                raise SaveIOError.wrapping(self.directory, exc) from None
         elif not self.directory.is_dir():
             raise CheckpointError(f"no checkpoint directory at {self.directory}")
 

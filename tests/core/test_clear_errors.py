@@ -301,3 +301,35 @@ def test_a_damaged_chunk_is_reported_under_the_tensor_name(tmp_path, suffix) -> 
     with pytest.raises(ls.IntegrityError) as info:
         ls.load_state(path)
     assert "'model/0.weight'" in str(info.value) and "%2F" not in str(info.value)
+
+
+def test_a_path_that_is_no_path_is_refused_by_name(tmp_path) -> None:
+    """None, a number or a list where a path goes: a CheckpointError saying what it is (a save
+    raised TypeError from pathlib; a load called it a damaged Zarr group)."""
+    for bad in (None, 3, ["a.h5"]):
+        with pytest.raises(ls.CheckpointError, match="must be a str or os.PathLike"):
+            ls.save({"x": np.ones(2)}, bad)
+        with pytest.raises(ls.CheckpointError, match="must be a str or os.PathLike"):
+            ls.save({"x": np.ones(2)}, bad, blocking=False)
+        with pytest.raises(ls.CheckpointError, match="or a zarr store"):
+            ls.load_state(bad)
+        with pytest.raises(ls.CheckpointError, match="must be a str or os.PathLike"):
+            ls.Checkpointer(bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_bytes_path_is_a_path(tmp_path, suffix) -> None:
+    path = os.fsencode(tmp_path / f"b{suffix}")
+    ls.save({"x": np.arange(3.0)}, path)
+    ls.save({"x": np.arange(3.0)}, path, blocking=False).wait()
+    assert np.array_equal(ls.load_state(path)["x"], np.arange(3.0))
+    assert ls.verify(path).ok
+
+
+def test_a_checkpointer_on_a_file_says_so(tmp_path) -> None:
+    (tmp_path / "ck.h5").write_bytes(b"x")
+    for where in (tmp_path / "ck.h5", tmp_path / "ck.h5" / "run"):
+        with pytest.raises(ls.CheckpointError, match="is a file"):
+            ls.Checkpointer(where)
+    assert (tmp_path / "ck.h5").read_bytes() == b"x"
