@@ -54,7 +54,12 @@ def at_call_time(path: Any) -> Any:
     if is_url(path):
         return path
     text = os.fspath(path)
-    return text if os.path.isabs(text) else os.path.join(os.getcwd(), text)
+    if os.path.isabs(text):
+        return text
+    try:
+        return os.path.join(os.getcwd(), text)
+    except OSError:  # the working directory was removed: the save reports the path it gets
+        return text
 
 
 def storage_options_for(url: str, given: dict[str, Any] | None = None) -> dict[str, Any]:

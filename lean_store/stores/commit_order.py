@@ -38,9 +38,13 @@ _RESERVED = threading.local()  # .turn: a background save's turn, taken by its c
 
 def key_of(path: str | os.PathLike[str]) -> str:
     """One key per path whatever its spelling (relative, absolute, through a linked
-    directory): the real directory and the name."""
-    p = Path(os.path.abspath(path))
-    return os.path.join(os.path.realpath(p.parent), p.name)
+    directory): the real directory and the name. A relative path in a working directory
+    that was removed is its own key (the save then fails to write there, and says so)."""
+    try:
+        p = Path(os.path.abspath(path))
+        return os.path.join(os.path.realpath(p.parent), p.name)
+    except OSError:
+        return os.fspath(path)
 
 
 class Turn:

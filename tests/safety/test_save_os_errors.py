@@ -249,3 +249,22 @@ def test_sharded_location_names_the_target(tmp_path, monkeypatch):
     monkeypatch.undo()
     check_error(info.value, target, errno.EROFS)
     assert hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_relative_path_in_a_removed_working_directory(tmp_path, monkeypatch, suffix,
+                                                        blocking):
+    """The working directory was deleted under the process (a job's scratch directory
+    cleaned up): a save of a relative path is a SaveIOError, not the raw FileNotFoundError
+    of ``os.getcwd``."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(SaveIOError, match="No such file"):
+        handle = ls.save({"w": np.arange(6.0)}, f"ck{suffix}", blocking=blocking)
+        if not blocking:
+            handle.wait()
+    with pytest.raises(ls.CheckpointError):
+        ls.Checkpointer("run")
