@@ -32,15 +32,19 @@ def backend_record(name: str) -> Backend:
 def checkpoint_path(path: Any, *, stores: bool = False) -> Any:
     """``path`` as the stores take it: a ``str`` or ``os.PathLike`` as it is, ``bytes`` (or a
     PathLike of bytes) decoded as the file system names it (``os.fsdecode``), and with
-    ``stores`` a zarr store object (a reader's source). Anything else: CheckpointError naming
-    what it is, before anything is read or written."""
+    ``stores`` (a reader's source) a zarr store object or a binary file object (an HDF5 file
+    h5py reads through it). Anything else: CheckpointError naming what it is, before anything
+    is read or written."""
     if isinstance(path, (str, bytes, os.PathLike)):
         text = os.fspath(path)
         return os.fsdecode(text) if isinstance(text, bytes) else path
     zarr = sys.modules.get("zarr")  # a zarr store object exists only once zarr is imported
     if stores and zarr is not None and isinstance(path, zarr.abc.store.Store):
         return path
-    kinds = "a str or os.PathLike path, or a zarr store" if stores else (
+    if stores and callable(getattr(path, "read", None)) and callable(getattr(path, "seek",
+                                                                             None)):
+        return path
+    kinds = "a str or os.PathLike path, a zarr store or a file object" if stores else (
         "a str or os.PathLike path")
     raise CheckpointError(f"a checkpoint location must be {kinds}, not "
                           f"{type(path).__name__} {path!r:.60}")

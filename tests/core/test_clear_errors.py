@@ -311,7 +311,7 @@ def test_a_path_that_is_no_path_is_refused_by_name(tmp_path) -> None:
             ls.save({"x": np.ones(2)}, bad)
         with pytest.raises(ls.CheckpointError, match="must be a str or os.PathLike"):
             ls.save({"x": np.ones(2)}, bad, blocking=False)
-        with pytest.raises(ls.CheckpointError, match="or a zarr store"):
+        with pytest.raises(ls.CheckpointError, match="a zarr store or a file object"):
             ls.load_state(bad)
         with pytest.raises(ls.CheckpointError, match="must be a str or os.PathLike"):
             ls.Checkpointer(bad)
