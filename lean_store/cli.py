@@ -247,7 +247,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     layout = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
                      compression=_compression_arg(args.compression),
                      chunk_bytes=args.chunk_bytes, progress=None if args.progress else False)
-    print(f"converted {len(layout)} tensors ({_size(layout.nbytes)}): {args.src} -> {args.dst}",
+    print(f"converted {len(layout)} tensor{'' if len(layout) == 1 else 's'} "
+          f"({_size(layout.nbytes)}): {args.src} -> {args.dst}",
           file=sys.stderr)
     return EXIT_OK
 
