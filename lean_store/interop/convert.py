@@ -265,7 +265,9 @@ def write_output(
         from .safetensors_io import write_safetensors
 
         text = inp.extra.get("safetensors_metadata")
-        metadata = json.loads(text) if isinstance(text, str) else None
+        # a safetensors file's own metadata (or its absence) as it was; else what Hugging Face
+        # writes and its from_pretrained expects of a PyTorch state
+        metadata = json.loads(text) if isinstance(text, str) else DEFAULT_SAFETENSORS_METADATA
         with make_progress(progress, f"write {Path(path).name}", inp.layout.nbytes) as bar:
             write_safetensors(inp.source, path, metadata=metadata, progress=bar)
     elif fmt == "torch":
@@ -285,6 +287,12 @@ def write_output(
     else:
         tl.write_adam_from(inp.layout, inp.read_words, inp.extra, path)
     return fmt
+
+
+DEFAULT_SAFETENSORS_METADATA = {"format": "pt"}
+"""``__metadata__`` of a safetensors file converted from anything but a safetensors file:
+transformers' ``save_pretrained`` writes it, and ``from_pretrained`` refuses files whose
+metadata lacks a known ``format``."""
 
 
 def convert(

@@ -124,9 +124,8 @@ class SafetensorsSource(TensorSource):
         except CheckpointError as exc:
             raise IntegrityError(f"{self.path}: {exc}") from None
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size else None
-        self.extra = {}
-        if self.metadata is not None:
-            self.extra["safetensors_metadata"] = json.dumps(self.metadata)
+        # kept whether or not there is any ("null"), so that a round trip gives the same bytes
+        self.extra = {"safetensors_metadata": json.dumps(self.metadata)}
 
     def words(self, entry: Entry) -> np.ndarray:
         begin, end = self._spans[entry.name]

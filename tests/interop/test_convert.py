@@ -72,6 +72,26 @@ def test_model_safetensors_round_trip_is_byte_identical(tmp_path: Path, mid: str
 
 
 @needs_torch
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_checkpoint_converted_to_safetensors_says_its_format(tmp_path: Path, suffix) -> None:
+    """transformers' from_pretrained refuses a safetensors file whose metadata has no known
+    ``format``; save_pretrained writes {"format": "pt"}, and so does a conversion of anything
+    but a safetensors file (whose own metadata, or its absence, is kept)."""
+    from safetensors import safe_open
+
+    ls.save(small_model(), tmp_path / f"m{suffix}")
+    convert(tmp_path / f"m{suffix}", tmp_path / "model.safetensors")
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert set(f.keys()) == set(small_model().state_dict())
+    save_file({"w": torch.ones(2)}, tmp_path / "bare.safetensors")  # no metadata at all
+    convert(tmp_path / "bare.safetensors", tmp_path / f"bare{suffix}")
+    convert(tmp_path / f"bare{suffix}", tmp_path / "bare_back.safetensors")
+    with safe_open(tmp_path / "bare_back.safetensors", "pt") as f:
+        assert f.metadata() is None
+
+
+@needs_torch
 def test_every_safetensors_dtype_round_trips_byte_identical(tmp_path: Path) -> None:
     src = tmp_path / "all.safetensors"
     state = random_state()
