@@ -291,8 +291,8 @@ def write_output(
 
 DEFAULT_SAFETENSORS_METADATA = {"format": "pt"}
 """``__metadata__`` of a safetensors file converted from anything but a safetensors file:
-transformers' ``save_pretrained`` writes it, and ``from_pretrained`` refuses files whose
-metadata lacks a known ``format``."""
+transformers' ``save_pretrained`` writes it, and ``from_pretrained`` of older releases (and its
+Flax loader) refuses files whose metadata lacks a known ``format``."""
 
 
 def convert(

@@ -74,9 +74,10 @@ def test_model_safetensors_round_trip_is_byte_identical(tmp_path: Path, mid: str
 @needs_torch
 @pytest.mark.parametrize("suffix", [".h5", ".zarr"])
 def test_a_checkpoint_converted_to_safetensors_says_its_format(tmp_path: Path, suffix) -> None:
-    """transformers' from_pretrained refuses a safetensors file whose metadata has no known
-    ``format``; save_pretrained writes {"format": "pt"}, and so does a conversion of anything
-    but a safetensors file (whose own metadata, or its absence, is kept)."""
+    """transformers' from_pretrained (older releases, its Flax loader) refuses a safetensors
+    file whose metadata has no known ``format``; save_pretrained writes {"format": "pt"}, and
+    so does a conversion of anything but a safetensors file (whose own metadata, or its
+    absence, is kept)."""
     from safetensors import safe_open
 
     ls.save(small_model(), tmp_path / f"m{suffix}")
