@@ -262,7 +262,8 @@ def _publish(tmp: Path, target: Path, check: Any) -> None:
             _fsync_dir(target.parent)
             shutil.rmtree(tmp, ignore_errors=True)
             return
-        old = target.with_name(f".{target.name}.lean_store-old-{uuid.uuid4().hex}")
+        old = target.with_name(f".{leftovers.sibling_stem(target)}.lean_store-old-"
+                               f"{uuid.uuid4().hex}")
         os.rename(target, old)
         os.rename(tmp, target)
         _fsync_dir(target.parent)

@@ -46,8 +46,30 @@ def owner_tag() -> str:
     return f"{zlib.crc32(where.encode()):08x}"
 
 
+NAME_MAX = 255
+"""Bytes of one path component on common file systems (ext4, XFS, tmpfs, APFS, NTFS)."""
+_SIBLING_EXTRA = len(".") + len(".lean_store-tmp-") + 32  # also "-old-" + 32 hex (commit.py)
+
+
+def sibling_stem(target: Path) -> str:
+    """The part of ``target``'s name that its hidden siblings (``.STEM.lean_store-tmp-<hex>``,
+    ``.STEM.lean_store-old-<hex>``) carry: the name itself, or where a sibling's name would
+    pass :data:`NAME_MAX` bytes (a name of more than 206 bytes, which a file may have), its
+    first bytes and ``~`` and 8 hex digits of its CRC-32: the same for every save of
+    ``target``, so a later save still finds a dead one's temporary."""
+    raw = os.fsencode(target.name)
+    if len(raw) + _SIBLING_EXTRA <= NAME_MAX:
+        return target.name
+    head = raw[:NAME_MAX - _SIBLING_EXTRA - 9]
+    while head and head[-1] & 0xC0 == 0x80:  # not into the middle of a UTF-8 character
+        head = head[:-1]
+    if head and head[-1] >= 0xC0:
+        head = head[:-1]
+    return f"{os.fsdecode(head)}~{zlib.crc32(raw):08x}"
+
+
 def _prefix(target: Path) -> str:
-    return f".{target.name}.lean_store-tmp-"
+    return f".{sibling_stem(target)}.lean_store-tmp-"
 
 
 def new_temporary(target: Path) -> Path:
@@ -102,4 +124,4 @@ def dead_temporaries(target: Path) -> list[Path]:
     return dead
 
 
-__all__ = ["dead_temporaries", "finished", "new_temporary", "owner_tag"]
+__all__ = ["dead_temporaries", "finished", "new_temporary", "owner_tag", "sibling_stem"]

@@ -201,3 +201,28 @@ def test_a_running_save_spelled_otherwise_keeps_its_temporary(tmp_path: Path, su
     ls.save(_state(1.0), Path(f"ck{suffix}"))  # commits; clears only dead temporaries
     assert writing.work_path.name in os.listdir(tmp_path / "real")
     writing.abort()
+
+
+@pytest.mark.parametrize("name_bytes", [206, 207, 255])
+def test_a_name_as_long_as_a_file_may_have(tmp_path: Path, suffix: str, monkeypatch,
+                                           name_bytes: int) -> None:
+    """A checkpoint name of up to 255 bytes saves: its hidden siblings carry a shortened stem
+    (first bytes, ``~``, a CRC-32 of the name) where ``.NAME.lean_store-tmp-<32 hex>`` would
+    pass 255 bytes (saves of names over 206 bytes failed with ENAMETOOLONG); a later save
+    still recognises a dead save's temporary, and a rename-aside overwrite works too."""
+    name = "é" * ((name_bytes - len(suffix)) // 2) + "x" * ((name_bytes - len(suffix)) % 2)
+    path = tmp_path / f"{name}{suffix}"
+    assert len(os.fsencode(path.name)) == name_bytes
+    ls.save(_state(1.0), path)
+    stem = leftovers.sibling_stem(path)
+    assert len(os.fsencode(f".{stem}.lean_store-tmp-")) + 32 <= 255
+    assert (stem == path.name) == (name_bytes <= 206)
+    dead = path.with_name(f".{stem}.lean_store-tmp-{leftovers.owner_tag()}"
+                          f"{_dead_pid():08x}{'a' * 16}")
+    dead.write_bytes(b"x")
+    ls.save(_state(2.0), path, blocking=False).wait()
+    assert not dead.exists()
+    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)  # the rename-aside path
+    ls.save(_state(3.0), path)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    np.testing.assert_array_equal(ls.load_state(path)["w"], _state(3.0)["w"])
