@@ -146,6 +146,10 @@ def test_a_zarr_root_a_load_would_refuse_is_refused_before_the_commit(tmp_path,
         ls.save_training(path, model=model, extra=quotes)
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     assert ls.load_training(path, model=model).extra == {"epoch": 1}
+    with pytest.raises(ls.CheckpointError, match="root zarr.json would be"):  # through zarr
+        ls.save_training(path, model=model, extra=quotes, compression="zstd")
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert ls.load_training(path, model=model).extra == {"epoch": 1}
     ls.save_training(tmp_path / "t.h5", model=model, extra=quotes)  # HDF5: as large as its file
     assert ls.load_training(tmp_path / "t.h5", model=model).extra == quotes
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import stat
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,18 @@ def check_root_size(root: Path, documents: dict[str, str]) -> None:
             f"{root_document_limit(written)} a load reads for {len(documents)} arrays: the root "
             "attributes (the training metadata: the JSON values of extra= and data=) are too "
             "large; keep large values out of them, or pass them as arrays or tensors")
+
+
+def array_documents(root: Path) -> dict[str, str]:
+    """node -> the text of its ``zarr.json``, for every folder directly under ``root`` (a
+    store this process just wrote) that has one."""
+    found = {}
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                with suppress(FileNotFoundError):
+                    found[entry.name] = (Path(entry.path) / "zarr.json").read_text()
+    return found
 
 
 def _lstat(entry: os.DirEntry[str], key: str) -> os.stat_result:
