@@ -15,6 +15,7 @@ from typing import Any
 
 from .chunking import MIN_CHUNK_BYTES
 from .errors import CheckpointError
+from .progress import check_progress
 from .snapshot import SNAPSHOTS
 
 
@@ -54,6 +55,7 @@ class SaveOptions:
             raise CheckpointError(
                 f"SaveOptions.buffer_bytes must be positive, got {self.buffer_bytes}"
             )
+        check_progress(self.progress)
         if self.checksum is not None and not isinstance(self.checksum, str):
             raise CheckpointError(f"SaveOptions.checksum must be a string, got {self.checksum!r}")
         if self.snapshot not in SNAPSHOTS:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from .errors import CheckpointError
+
 AUTO_THRESHOLD_BYTES = 256 << 20
 
 
@@ -60,6 +62,14 @@ def _is_terminal(stream: Any) -> bool:
         return False
 
 
+def check_progress(progress: Any) -> None:
+    """CheckpointError unless ``progress`` is None, a bool or a stream with ``write()``."""
+    if not (progress is None or isinstance(progress, bool)
+            or callable(getattr(progress, "write", None))):
+        raise CheckpointError(f"progress must be None, True, False or a stream with write(), "
+                              f"got {progress!r:.60}")
+
+
 def make_progress(progress: Any, description: str, total: int) -> NullProgress:
     """A bar with bytes, bytes/s and ETA, or a silent stand-in.
 
@@ -67,6 +77,7 @@ def make_progress(progress: Any, description: str, total: int) -> NullProgress:
     otherwise, so logs stay clean); None (automatic) for a bar when stderr is a terminal and the
     job has at least ``AUTO_THRESHOLD_BYTES``; or a writable stream to draw the bar on, always.
     """
+    check_progress(progress)
     if progress is None:
         if not (_is_terminal(sys.stderr) and total >= AUTO_THRESHOLD_BYTES):
             return NullProgress()

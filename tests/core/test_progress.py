@@ -71,3 +71,17 @@ def test_false_is_silent_everywhere(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(progress_mod, "AUTO_THRESHOLD_BYTES", 0)
     ls.save(STATE, tmp_path / "ck.zarr", progress=False)
     assert term.getvalue() == ""
+
+
+def test_a_progress_that_is_no_stream_is_refused_before_anything(tmp_path) -> None:
+    """``progress="yes"`` raised AttributeError ('str' object has no attribute 'write')."""
+    path = tmp_path / "p.h5"
+    for bad in ("yes", 3):
+        with pytest.raises(ls.CheckpointError, match="progress must be None, True, False"):
+            ls.save({"a": np.ones(3)}, path, progress=bad)
+        assert not path.exists()
+    ls.save({"a": np.ones(3)}, path)
+    target = {"a": np.zeros(3)}
+    with pytest.raises(ls.CheckpointError, match="progress must be"):
+        ls.load(target, path, progress="yes")
+    assert target["a"].tolist() == [0.0, 0.0, 0.0]
