@@ -575,6 +575,10 @@ class LoadResult:
 
 
 def _casts(cast: Mapping[str, Any] | None) -> dict[str, ScalarFormat]:
+    if cast is not None and not isinstance(cast, Mapping):
+        raise CheckpointError(
+            f"cast must map tensor names to formats (e.g. {{'fc.weight': 'float32'}}), got "
+            f"{cast!r:.60}: lean_store casts only the tensors named, never the whole state")
     out = {}
     for name, fmt in (cast or {}).items():
         out[name] = get(fmt) if isinstance(fmt, str) else fmt

@@ -177,6 +177,11 @@ def test_explicit_cast_only(tmp_path, suffix):
         ls.load(target, path, cast={"w": "float16"})
     out = ls.load_state(path, cast={"w": "float64"})
     assert out["w"].dtype == np.float64
+    for whole in ("float32", 5):  # not a mapping: a CheckpointError, not AttributeError
+        with pytest.raises(ls.CheckpointError, match="cast must map tensor names"):
+            ls.load(target, path, cast=whole)
+        with pytest.raises(ls.CheckpointError, match="cast must map tensor names"):
+            ls.load_state(path, cast=whole)
 
 
 # Names of the stores' own files, and names next to them (FORMAT.md 2.1), with the node names
