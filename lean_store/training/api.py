@@ -106,8 +106,31 @@ def save_training(
                  options=opts)
 
 
+def _check_parts(how: dict[str, Any]) -> None:
+    """CheckpointError naming an optimizer, scheduler or ``generators`` of the wrong kind
+    (an optimizer passed as the model, a number), before anything is read or written."""
+    optimizer = how.get("optimizer")
+    if optimizer is not None and not (
+        isinstance(getattr(optimizer, "param_groups", None), list)
+        and callable(getattr(optimizer, "state_dict", None))
+        and callable(getattr(optimizer, "load_state_dict", None))
+    ):
+        raise CheckpointError(f"optimizer must be a torch optimizer (param_groups, state_dict, "
+                              f"load_state_dict), got {type(optimizer).__name__}")
+    scheduler = how.get("scheduler")
+    if scheduler is not None and not (callable(getattr(scheduler, "state_dict", None))
+                                      and callable(getattr(scheduler, "load_state_dict", None))):
+        raise CheckpointError(f"scheduler must have state_dict() and load_state_dict(), got "
+                              f"{type(scheduler).__name__}")
+    generators = how.get("generators")
+    if generators is not None and not isinstance(generators, Mapping):
+        raise CheckpointError(f"generators must map names to RNG objects, got "
+                              f"{type(generators).__name__}")
+
+
 def _save(path: Any, kind: str, build: dict[str, Any], *, backend: str | None,
           process_group: Any, blocking: bool, options: SaveOptions) -> Layout | SaveHandle:
+    _check_parts(build)
     sharded = is_sharded(process_group, build["model"], build["names_model"],
                              build["optimizer"])
     if sharded:
@@ -165,6 +188,7 @@ def load_training(
 
 def _load(path: Any, *, process_group: Any, **how: Any) -> TrainingInfo:
     stacklevel = 4  # the warning points at the caller of load_training / load_optimizer
+    _check_parts(how)
     if is_sharded(process_group, how["model"], how["names_model"], how["optimizer"]):
         from ..distributed.training import load_training as sharded_load
 

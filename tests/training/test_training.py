@@ -608,3 +608,25 @@ def test_resume_without_rng_diverges(tmp_path):
         ls.load_training(tmp_path / "half.h5", rng=False, **run)
     resume_helper.train(run, RESUME_K)
     assert not _same(run["model"].state_dict(), full)
+
+
+def test_parts_of_the_wrong_kind_are_refused_by_name(tmp_path) -> None:
+    """An optimizer passed as the model (or a model as the optimizer), a number as the
+    scheduler or as ``generators``: a CheckpointError naming the part, before anything is
+    written or changed (these raised AttributeError from deep inside the save)."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "t.h5"
+    for kwargs, what in [({"optimizer": model}, "optimizer must be a torch optimizer"),
+                         ({"scheduler": 3}, "scheduler must have state_dict"),
+                         ({"generators": 5}, "generators must map names")]:
+        with pytest.raises(ls.CheckpointError, match=what):
+            ls.save_training(path, model=model, **kwargs)
+        assert not path.exists()
+    with pytest.raises(ls.CheckpointError, match="optimizer must be a torch optimizer"):
+        ls.save_optimizer(model, path)
+    ls.save_training(path, model=model, optimizer=opt)
+    before = model.weight.detach().clone()
+    with pytest.raises(ls.CheckpointError, match="optimizer must be a torch optimizer"):
+        ls.load_training(path, model=model, optimizer=model)
+    assert torch.equal(model.weight, before)
