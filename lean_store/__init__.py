@@ -23,6 +23,7 @@ from .errors import (
     IntegrityError,
     LayoutError,
     SaveIOError,
+    TensorNotFoundError,
     UnsafeFileError,
     UnsupportedValueError,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "LoadResult",
     "SaveHandle",
     "SaveIOError",
+    "TensorNotFoundError",
     "SaveOptions",
     "ScalarFormat",
     "TensorHandle",

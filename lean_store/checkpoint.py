@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -23,7 +24,13 @@ from .chunking import (
 )
 from .distributed.sharded_read import StoredShard, stored_shards
 from .encoded import Encoded
-from .errors import CheckpointError, CheckpointReplacedError, FormatError, IntegrityError
+from .errors import (
+    CheckpointError,
+    CheckpointReplacedError,
+    FormatError,
+    IntegrityError,
+    TensorNotFoundError,
+)
 from .fork_safe import ForkSafeLock
 from .formats import ScalarFormat, get
 from .gc_pause import collection_paused
@@ -98,6 +105,7 @@ class TensorHandle:
     def bits(self, key: Any = ...) -> np.ndarray:
         """Raw words of ``self[key]`` (complex formats: trailing axis of 2); every chunk the
         slice touches is checked against its checksum (the whole-tensor digest is not)."""
+        self._ck._entry(self.name)  # the checkpoint still open
         index = basic_index(key, self.shape)
         words = self._ck._reader.read(self.stored.node, index.selection, self.format)
         return index.finish(words, self.format.words_per_value == 2)
@@ -127,6 +135,20 @@ class TensorHandle:
         return f"<tensor {self.name!r} {self.format.tag}{list(self.shape)}>"
 
 
+_SUGGEST_AMONG = 5000
+
+
+def _not_found(name: str, names: list[str], path: Any) -> str:
+    """The message for a tensor name ``path`` does not hold: the closest names it holds."""
+    count = len(names)
+    if count > _SUGGEST_AMONG:  # difflib compares with each: those ending alike only
+        last = name.rsplit(".", 1)[-1]
+        names = [n for n in names if n.endswith(last)][:_SUGGEST_AMONG]
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+    return f"no tensor {name!r} in {path} ({count} tensors){hint}"
+
+
 def as_values(words: np.ndarray, fmt: ScalarFormat) -> np.ndarray | Encoded:
     """Words as a numpy array of the format's dtype, or ``Encoded`` where none exists."""
     dtype = fmt.numpy_dtype
@@ -153,6 +175,7 @@ class Checkpoint(Mapping[str, TensorHandle]):
     def __init__(self, path: Any, *, backend: str | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
         self.path = path
+        self._closed = False
         self._pool: ThreadPoolExecutor | None = None  # checks chunks while reading ahead
         for attempt in range(OPEN_ATTEMPTS):  # a save replaced the path while it was opened
             try:
@@ -192,9 +215,7 @@ class Checkpoint(Mapping[str, TensorHandle]):
             raise
 
     def __getitem__(self, name: str) -> TensorHandle:
-        if name not in self.layout:
-            raise KeyError(name)
-        return TensorHandle(self, self.layout[name], self._stored[name])
+        return TensorHandle(self, self._entry(name), self._stored[name])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.layout.names())
@@ -205,8 +226,10 @@ class Checkpoint(Mapping[str, TensorHandle]):
     # ------------------------------------------------------------------ what is stored
 
     def _entry(self, name: str) -> Entry:
+        if self._closed:
+            raise CheckpointError(f"{self.path} was closed: open it again to read from it")
         if name not in self.layout:
-            raise KeyError(name)
+            raise TensorNotFoundError(_not_found(name, self.layout.names(), self.path))
         return self.layout[name]
 
     def stored(self, name: str) -> StoredTensor:
@@ -528,6 +551,7 @@ class Checkpoint(Mapping[str, TensorHandle]):
             return self._pool
 
     def close(self) -> None:
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None

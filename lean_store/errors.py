@@ -94,6 +94,13 @@ class SaveIOError(CheckpointError, OSError):
         return self.message
 
 
+class TensorNotFoundError(CheckpointError, KeyError):
+    """A tensor name the checkpoint does not hold (also a ``KeyError``, as a mapping's)."""
+
+    def __str__(self) -> str:  # the message, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
+
+
 class CheckpointReplacedError(CheckpointError):
     """The checkpoint was replaced (by a new save to its path) or removed while open.
 

@@ -39,10 +39,11 @@ def basic_index(key: Any, shape: tuple[int, ...]) -> BasicIndex:
     """Normalize ``key`` for ``shape``; rank-0 shapes are read as stored shape ``(1,)``."""
     if not isinstance(key, tuple):
         key = (key,)
-    if sum(k is Ellipsis for k in key) > 1:
+    ellipses = [i for i, k in enumerate(key) if k is Ellipsis]  # by identity: no array ==
+    if len(ellipses) > 1:
         raise CheckpointError("an index can only have a single ellipsis ('...')")
-    if Ellipsis in key:
-        at = key.index(Ellipsis)
+    if ellipses:
+        at = ellipses[0]
         fill = len(shape) - (len(key) - 1)
         key = key[:at] + (slice(None),) * max(0, fill) + key[at + 1 :]
     if len(key) > len(shape):
@@ -51,7 +52,10 @@ def basic_index(key: Any, shape: tuple[int, ...]) -> BasicIndex:
     start, count, step, flip, drop = [], [], [], [], []
     for axis, (k, n) in enumerate(zip(key, shape)):
         if isinstance(k, slice):
-            r = range(n)[k]
+            try:
+                r = range(n)[k]
+            except (ValueError, TypeError) as exc:  # a step of 0, bounds that are not ints
+                raise CheckpointError(f"unsupported slice {k!r}: {exc}") from None
             if r.step < 0:
                 r = r[::-1]
                 flip.append(axis)

@@ -371,3 +371,29 @@ def test_checkpoint_does_not_import_the_layers_above_it() -> None:
     tree = ast.parse((PACKAGE / "checkpoint.py").read_text("utf-8"))
     modules = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
     assert modules and not [m for m in modules if m.split(".")[0] in ("inspection", "interop")]
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_misuse_of_an_open_checkpoint_is_a_checkpoint_error(tmp_path, suffix) -> None:
+    """A name it does not hold (a KeyError too, with the closest names), a boolean or fancy
+    index, a slice step of 0, a read after close: each a CheckpointError saying so (they
+    raised a bare KeyError, numpy's ValueError, range's ValueError and libhdf5's 'Invalid
+    dataset identifier')."""
+    path = tmp_path / f"m{suffix}"
+    ls.save({"fc.weight": np.arange(20.0).reshape(4, 5), "fc.bias": np.ones(4)}, path)
+    ck = ls.open(path)
+    handle = ck["fc.weight"]
+    with pytest.raises(ls.TensorNotFoundError, match=r"did you mean 'fc.weight'") as info:
+        ck["module.fc.weight"]
+    assert isinstance(info.value, KeyError)
+    with pytest.raises(KeyError):
+        ck.read("fc.wieght")
+    with pytest.raises(ls.CheckpointError, match="unsupported index"):
+        handle[np.array([True, False, True, False])]
+    with pytest.raises(ls.CheckpointError, match="step cannot be zero"):
+        handle[::0]
+    assert handle[..., 1].tolist() == [1.0, 6.0, 11.0, 16.0]
+    ck.close()
+    for read in (lambda: handle[0], lambda: handle.read(), lambda: ck["fc.bias"]):
+        with pytest.raises(ls.CheckpointError, match="was closed"):
+            read()
