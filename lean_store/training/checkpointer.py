@@ -344,7 +344,8 @@ class Checkpointer:
 
 def _check_step(step: Any) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**19:
-        raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        raise CheckpointError(f"step must be an int from 0 to 10**19 - 1 (19 digits in a "
+                              f"step's name), got {step!r}")
 
 
 __all__ = ["Checkpointer"]

@@ -93,6 +93,8 @@ def test_unbounded_and_bad_arguments(tmp_path):
         ls.Checkpointer(tmp_path, backend="pickle")
     with pytest.raises(ls.CheckpointError, match="step"):
         ck.save(-1, model=model)
+    with pytest.raises(ls.CheckpointError, match=r"from 0 to 10\*\*19 - 1"):
+        ck.save(10**19, model=model)  # too long for a step's name, not negative
     with pytest.raises(ls.CheckpointError, match="no committed"):
         ls.Checkpointer(tmp_path / "empty").restore(model=model)
     # a stray file that only looks like a step is not listed
