@@ -315,8 +315,7 @@ class Checkpointer:
                                  data=data, rng=rng, generators=generators,
                                  scheduled=scheduled)
         except IntegrityError as exc:
-            latest = self.latest()
-            older = [s for s in self.steps() if latest is not None and s < latest]
+            older = self.steps()[:-1]  # the latest was restored: the steps before it
             if step is not None or not older:
                 raise
             raise type(exc)(

@@ -145,31 +145,35 @@ def _bound_root(tree: LocalTree) -> None:
                               "allow")
 
 
-def check_root_size(root: Path, documents: dict[str, str]) -> None:
+def check_root_size(root: Path, documents: dict[str, str] | None = None) -> None:
     """A save's check, before its commit, that a load will read the root ``zarr.json`` it
     wrote at ``root``: at most :func:`root_document_limit` of the array documents
-    ``documents`` (node -> text as written). Else :class:`CheckpointError`: the root's own
-    attributes are too large."""
+    ``documents`` (node -> text as written; None: measured on disk). Else
+    :class:`CheckpointError`: the root's own attributes are too large."""
     size = (root / "zarr.json").stat().st_size
-    written = sum(len(text) for text in documents.values())
+    written = array_document_bytes(root) if documents is None else sum(
+        len(text) for text in documents.values())
     if size > root_document_limit(written):
         raise CheckpointError(
             f"{root.name}: the root zarr.json would be {size} bytes, more than the "
-            f"{root_document_limit(written)} a load reads for {len(documents)} arrays: the root "
-            "attributes (the training metadata: the JSON values of extra= and data=) are too "
-            "large; keep large values out of them, or pass them as arrays or tensors")
+            f"{root_document_limit(written)} a load reads for {written} bytes of array "
+            "documents: the root attributes (the training metadata: the JSON values of extra= "
+            "and data=) are too large; keep large values out of them, or pass them as arrays "
+            "or tensors")
 
 
-def array_documents(root: Path) -> dict[str, str]:
-    """node -> the text of its ``zarr.json``, for every folder directly under ``root`` (a
-    store this process just wrote) that has one."""
-    found = {}
+def array_document_bytes(root: Path | int) -> int:
+    """The bytes of the ``zarr.json`` of every folder directly under ``root`` (a path, or a
+    directory's descriptor), one ``stat`` each, no link followed."""
+    total = 0
     with os.scandir(root) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
+                key = f"{entry.name}/zarr.json"
                 with suppress(FileNotFoundError):
-                    found[entry.name] = (Path(entry.path) / "zarr.json").read_text()
-    return found
+                    total += (os.stat(key, dir_fd=root, follow_symlinks=False)
+                              if isinstance(root, int) else os.lstat(root / key)).st_size
+    return total
 
 
 def _lstat(entry: os.DirEntry[str], key: str) -> os.stat_result:

@@ -39,7 +39,7 @@ import os
 import stat
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
@@ -154,20 +154,15 @@ def _root_limit(fd: int) -> int:
     """The most bytes the root document of the store open at ``fd`` may have: the limit of
     a load's walk (:func:`~lean_store.hardening.root_document_limit` of its array documents),
     whose sizes are read only when the root is larger than any one document may be."""
+    from .checks import array_document_bytes  # imports zarr: not when lean_store is imported
+
     try:
         size = os.stat("zarr.json", dir_fd=fd, follow_symlinks=False).st_size
         if size <= MAX_METADATA_BYTES:
             return MAX_METADATA_BYTES
-        documents = 0
-        with os.scandir(fd) as listing:
-            for entry in listing:
-                if entry.is_dir(follow_symlinks=False):
-                    with suppress(FileNotFoundError):
-                        documents += os.stat(f"{entry.name}/zarr.json", dir_fd=fd,
-                                             follow_symlinks=False).st_size
+        return root_document_limit(array_document_bytes(fd))
     except OSError:
         return MAX_METADATA_BYTES
-    return root_document_limit(documents)
 
 
 _BASE: ContextVar[_Base | None] = ContextVar("lean_store_incremental_base", default=None)

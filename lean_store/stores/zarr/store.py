@@ -41,7 +41,6 @@ from ..base import (
 from ..ordered_pool import OrderedPool
 from .checks import (
     array_codec_names,
-    array_documents,
     check_root_size,
     check_zarr_array,
     check_zarr_document,
@@ -424,7 +423,7 @@ class ZarrWriter(StoreWriter):
         self._group.attrs.update(_plain(root_attrs))
         mark_complete(self._group)  # written last: a store without it is incomplete
         if self._direct_root is not None:  # a local store, written through zarr
-            check_root_size(self._direct_root, array_documents(self._direct_root))
+            check_root_size(self._direct_root)
 
 
 class ZarrReader(StoreReader):
