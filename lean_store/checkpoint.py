@@ -41,6 +41,7 @@ from .metadata import check_stored, parse_root
 from .progress import make_progress
 from .read_ahead import read_all
 from .sources import TargetTensor, tensor_source, tensor_targets
+from .sources.base import adopt_stored
 from .sources.module_names import respelled, spelled_as
 from .stores.base import ChunkProblem, Selection, StorageDescription, StoredTensor
 from .stores.commit import is_url
@@ -667,16 +668,15 @@ def load(
     """
     casts = _casts(cast)
     given = tensor_targets(target)
-    given_layout = Layout.from_specs(
-        [(n, t.entry.shape, t.entry.format) for n, t in given.items()]
-    )
     touched: list[bool] = []  # set once anything was copied into the target
 
     def load_from(ck: Checkpoint) -> LoadResult:
         # a module's names as ``ck`` spells them (a wrapper's: sources/module_names.py)
         spelling = spelled_as(given, ck.layout.names()) if is_module(target) else {}
         targets = respelled(given, spelling)
-        target_layout = respelled_layout(given_layout, spelling)
+        adopt_stored(targets, ck.layout)  # a module's extra state: as it was saved
+        target_layout = Layout.from_specs(
+            [(n, t.entry.shape, t.entry.format) for n, t in targets.items()])
         expected = expected_with_casts(ck.layout, target_layout, respelled(casts, spelling))
         ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
                         order_matters=strict_order)
@@ -715,6 +715,8 @@ def load(
                             "load again") from None
                     raise
                 result.loaded.append(name)
+        for name in names:  # a module's extra state, handed to it (sources/module_state.py)
+            targets[name].finish()
         return result
 
     result = read_once(path, load_from, lambda: not touched, storage_options=storage_options)
@@ -820,6 +822,8 @@ def _state_of(
         spelling = spelled_as(like_layout.names(), ck.layout.names()) if is_module(like) \
             else {}  # see respelled_layout
         like_layout = respelled_layout(like_layout, spelling)
+        if is_module(like):  # its extra state as it was saved (sources/module_state.py)
+            like_layout = _stored_extra_state(like, like_layout, spelling, ck.layout)
         devices = respelled(devices, spelling)
         casts = respelled(casts, spelling)
         own_names = {stored: name for name, stored in spelling.items()}
@@ -846,6 +850,22 @@ def _state_of(
         else:
             out[name] = as_values(words, fmt)
     return respelled(out, own_names) if own_names else out
+
+
+def _stored_extra_state(module: Any, layout: Layout, spelling: Mapping[str, str],
+                        stored: Layout) -> Layout:
+    """``layout`` (``module``'s) with the stored shape and format of each extra-state entry
+    the checkpoint holds: extra state is returned as it was saved, as torch would hand it to
+    ``set_extra_state``."""
+    from .sources.torch_source import extra_state_names
+
+    names = {spelling.get(n, n) for n in extra_state_names(module)}
+    if not any(n in stored for n in names):
+        return layout
+    return Layout.from_specs([
+        (e.name, stored[e.name].shape, stored[e.name].format)
+        if e.name in names and e.name in stored else (e.name, e.shape, e.format)
+        for e in layout])
 
 
 def _devices_of(like: Any) -> dict[str, Any]:

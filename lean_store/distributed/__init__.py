@@ -20,7 +20,9 @@ from .shard_spec import Box, ShardSpec, check_coverage, coverage_problems
 
 def training_state(model: Any, optimizer: Any = None) -> dict[str, Any]:
     """A flat state of ``model`` (its state_dict, DTensors kept) and the per-parameter tensors
-    of ``optimizer`` (``optim/<param name>/<key>``), for sharded save and in-place load."""
+    of ``optimizer`` (``optim/<param name>/<key>``), for sharded save and in-place load. A
+    plain dict that remembers the model's extra-state entries: a load into it hands them to
+    their modules' ``set_extra_state``."""
     from .optim import training_state as _impl
 
     return _impl(model, optimizer)

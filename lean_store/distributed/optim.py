@@ -13,7 +13,10 @@ PREFIX = "optim."
 
 
 def training_state(model: Any, optimizer: Any = None) -> dict[str, Any]:
-    state = dict(canonical_state(model.state_dict()))  # names as sources/module_names.py says
+    from ..sources.module_state import ModuleState
+
+    # names as sources/module_names.py says; extra state handed to its module on load
+    state = ModuleState(canonical_state(model.state_dict()), model)
     if optimizer is None:
         return state
     import torch

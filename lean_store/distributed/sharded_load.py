@@ -32,6 +32,7 @@ from ..chunking import DEFAULT_CHUNK_BYTES, Region, iter_regions, plan_chunks
 from ..errors import CheckpointError, IntegrityError
 from ..gc_pause import collection_paused
 from ..integrity import crc32c_update
+from ..layout import Layout
 from ..sources.module_names import spelled_as
 from ..stores.hdf5.sharded import deferred_source_checks
 from .collective import Collective, stage
@@ -150,6 +151,7 @@ def _load(target: Any, path: Any, process_group: Any, strict: bool, verify: bool
             expected = layout_of(pieces)
             with deferred_source_checks():  # HDF5: each rank checks the shard files it reads
                 ck = Checkpoint(path)
+            spelling: dict[str, str] = {}
             if is_module(target):  # a module's names as ``ck`` spells them (a wrapper's:
                 # sources/module_names.py); every rank has the same names, the same spelling
                 spelling = spelled_as([p.name for p in pieces], ck.layout.names())
@@ -157,6 +159,8 @@ def _load(target: Any, path: Any, process_group: Any, strict: bool, verify: bool
                     pieces = [dataclasses.replace(p, name=spelling.get(p.name, p.name))
                               for p in pieces]
                     expected = layout_of(pieces)
+            pieces, handed = extra_state_pieces(target, pieces, ck.layout, spelling)
+            expected = layout_of(pieces) if handed else expected
             ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
                             order_matters=strict_order)
             names = [n for n in expected.names() if n in ck.layout]
@@ -178,11 +182,52 @@ def _load(target: Any, path: Any, process_group: Any, strict: bool, verify: bool
             for name in names:
                 install_piece(ck, by_name[name], stored_boxes(ck, name), block_bytes, kept)
                 result.loaded.append(name)
+            for name, owner in handed.items():  # a module's extra state, handed to it
+                if name in by_name and name in ck.layout:
+                    from ..sources.module_state import hand_over
+
+                    hand_over(owner, name, by_name[name].local)
     finally:
         if ck is not None:
             ck.close()
     warn_skipped(result)
     return result
+
+
+def extra_state_pieces(target: Any, pieces: list[Piece], stored: Layout,
+                       spelling: dict[str, str]) -> tuple[list[Piece], dict[str, Any]]:
+    """``pieces`` with each extra-state entry of ``target`` (a module's or a
+    :class:`ModuleState`'s, named as ``stored`` spells it) replaced by a new tensor of its stored
+    shape and format, which the load fills and then hands to the module
+    (sources/module_state.py); and those entries' names -> their modules."""
+    from ..checkpoint import is_module
+
+    if getattr(target, "extra_state_owners", None) is None and not is_module(target):
+        return pieces, {}
+    import torch
+
+    from ..sources.module_state import check_settable, owners_in
+    from ..sources.torch_source import dtype_of_format, state_dict_of
+
+    owners = {spelling.get(n, n): m
+              for n, m in owners_in(target, state_dict_of(target)).items()}
+    handed: dict[str, Any] = {}
+    out = []
+    for piece in pieces:
+        owner = owners.get(piece.name)
+        if owner is not None and not piece.sharded and piece.name in stored:
+            check_settable(owner, piece.name)
+            entry = stored[piece.name]
+            dtype = dtype_of_format(entry.format)
+            if dtype is None:
+                raise CheckpointError(f"extra state {piece.name!r} is stored as "
+                                      f"{entry.format.tag}, which torch has no dtype for")
+            local = torch.empty(entry.shape, dtype=dtype, device=piece.local.device)
+            piece = dataclasses.replace(piece, global_shape=entry.shape, format=entry.format,
+                                        box=Box.whole(entry.shape or (1,)), local=local)
+            handed[piece.name] = owner
+        out.append(piece)
+    return out, handed
 
 
 def check_planned_reads(ck: Checkpoint, pieces: list[Piece], names: list[str]) -> None:

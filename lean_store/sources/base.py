@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,27 @@ class TargetTensor(ABC):
     """One tensor to load into, in place."""
 
     entry: Entry
+    takes_stored_entry: bool = False
+    """True when the target loads the stored tensor whatever its shape and format (a module's
+    extra state, handed to the module as saved): :meth:`adopt` the stored entry before the
+    layout is checked."""
 
     @abstractmethod
     def write(self, region: Region, bits: np.ndarray) -> None:
         """Store raw words (the target's own format) into ``region`` of the stored shape."""
+
+    def adopt(self, entry: Entry) -> None:
+        """Take the stored ``entry``'s shape and format (only if :attr:`takes_stored_entry`)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Called once every tensor of the load is installed (nothing to do for memory that
+        was written in place)."""
+        return None
+
+
+def adopt_stored(targets: Mapping[str, TargetTensor], stored: Layout) -> None:
+    """Each target that takes its stored entry adopts it, where ``stored`` has its name."""
+    for name, target in targets.items():
+        if target.takes_stored_entry and name in stored:
+            target.adopt(stored[name])

@@ -17,6 +17,7 @@ from ..layout import Entry, Layout
 from ..stream import CopyEngine
 from .base import SourceTensor, TargetTensor, TensorSource
 from .module_names import canonical_state
+from .module_state import check_own_memory, check_settable, hand_over, owners_in
 from .numpy_source import ArraySourceTensor, ArrayTarget, format_of_value, masked_entry
 
 _TAGS: dict[Any, str] = {
@@ -364,19 +365,69 @@ def _np_int(itemsize: int) -> np.dtype:
 
 
 def torch_targets(obj: Any) -> dict[str, TargetTensor]:
+    """In-place targets of a module's or a mapping's tensors. A module's extra state is handed
+    to its ``set_extra_state`` after the load (:mod:`.module_state`), and an entry that is not
+    the module's own memory is refused."""
     state = state_dict_of(obj)
     check_entries(state)
+    extra = owners_in(unwrapped(obj), state)
+    if isinstance(obj, torch.nn.Module):
+        check_own_memory(unwrapped(obj), dict(state), extra)
     layout = Layout.from_specs([(n, tuple(v.shape), _entry_format(n, v)) for n, v in state.items()])
     targets: dict[str, TargetTensor] = {}
     for entry in layout:
         value = state[entry.name]
-        if isinstance(value, torch.Tensor):
+        if entry.name in extra:
+            targets[entry.name] = ExtraStateTarget(entry, extra[entry.name],
+                                                   getattr(value, "device", None))
+        elif isinstance(value, torch.Tensor):
             targets[entry.name] = TorchTarget(entry, value)
         elif isinstance(value, np.ndarray):
             targets[entry.name] = ArrayTarget(entry, value)
         else:
             raise CheckpointError(f"target {entry.name!r} is not writable in place")
     return targets
+
+
+class ExtraStateTarget(TargetTensor):
+    """A module's extra state: the stored tensor, whatever its shape and format (adopted from
+    the checkpoint by :meth:`adopt`), collected and handed to ``owner.set_extra_state`` by
+    :meth:`finish`, on the device of the module's current extra state."""
+
+    takes_stored_entry = True
+
+    def __init__(self, entry: Entry, owner: torch.nn.Module, device: Any) -> None:
+        check_settable(owner, entry.name)
+        self.entry = entry
+        self._owner = owner
+        self._device = device
+        self._words: np.ndarray | None = None
+
+    def adopt(self, entry: Entry) -> None:
+        """The stored entry's shape and format (its name stays the target's)."""
+        self.entry = Entry(self.entry.index, self.entry.name, entry.shape, entry.format)
+        self._words = None
+
+    def _buffer(self) -> np.ndarray:
+        if self._words is None:
+            fmt = self.entry.format
+            shape = (self.entry.shape or (1,)) + ((2,) if fmt.words_per_value == 2 else ())
+            self._words = np.empty(shape, dtype=fmt.storage_dtype)
+        return self._words
+
+    def write(self, region: Region, bits: np.ndarray) -> None:
+        self._buffer()[region] = bits
+
+    def finish(self) -> None:
+        """Hand the loaded tensor to the module (after every tensor of the load is
+        installed)."""
+        value = new_tensor(self._buffer(), self.entry.format, self.entry.shape, self._device)
+        hand_over(self._owner, self.entry.name, value)
+
+
+def extra_state_names(obj: Any) -> set[str]:
+    """The names of the extra-state entries of ``obj``'s state (lean_store's spelling)."""
+    return set(owners_in(unwrapped(obj), state_dict_of(obj)))
 
 
 def new_tensor(bits: np.ndarray, fmt: ScalarFormat, shape: tuple[int, ...], device: Any) -> Any:

@@ -371,6 +371,9 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
     # named as the checkpoint spells them (a wrapper's names: sources/module_names.py)
     if is_module(model):
         targets = respelled(targets, spelled_under(targets, ck.layout.names(), "model/"))
+    for name, target in targets.items():  # a module's extra state: as it was saved
+        if target.takes_stored_entry and f"model/{name}" in ck.layout:
+            target.adopt(ck.layout[f"model/{name}"])
     expected = Layout.from_specs(
         [(f"model/{n}", t.entry.shape, t.entry.format) for n, t in targets.items()]
     )
@@ -383,6 +386,8 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
         for name, target in targets.items():
             for region, words in ck.blocks(f"model/{name}", reuse=True):
                 target.write(region, words)
+        for target in targets.values():  # extra state, handed to its module
+            target.finish()
 
     return install
 
