@@ -11,7 +11,6 @@ from __future__ import annotations
 import pickle
 
 import pytest
-
 from torch_optional import require_torch
 
 torch = require_torch()
