@@ -167,6 +167,7 @@ def load_training(
     scheduler: Any = None, data: Any = None, rng: bool = True,
     generators: Mapping[str, Any] | None = None, scheduled: Collection[str] = (),
     stacklevel: int = 2, verify: bool = True, block_bytes: int = DEFAULT_CHUNK_BYTES,
+    scaler: Any = None,
 ) -> Any:
     """Every rank of ``process_group`` calls this; see the module docstring."""
     from ..checkpoint import Checkpoint
@@ -188,7 +189,7 @@ def load_training(
             prepared = prepare_load(
                 ck, model=model, names_model=names_model, optimizer=optimizer, rng=rng,
                 generators=generators, scheduled=scheduled, scheduler=scheduler, data=data,
-                rank=comm.rank, world=comm.size, prepare_model=hooks.prepare_model,
+                scaler=scaler, rank=comm.rank, world=comm.size, prepare_model=hooks.prepare_model,
                 read_state=hooks.read_state)
             if not verify:  # what the install reads, checked before it (as a single load)
                 for name in ck.layout.names():

@@ -83,12 +83,15 @@ def save_training(
     buffer_bytes: int | None = None,
     snapshot: str | None = None,
     storage_options: dict[str, Any] | None = None,
+    scaler: Any = None,
 ) -> Layout | SaveHandle:
     """Save one complete training checkpoint, committed atomically.
 
     ``data`` is the data position: a ``torch.Generator``, a ``numpy.random.Generator``, any
     object with ``state_dict()``/``load_state_dict()``, or a mapping (e.g. epoch and index).
     ``extra`` is any JSON-like tree. ``generators`` names further RNG objects to capture.
+    ``scaler`` is a mixed-precision loss scaler (``torch.amp.GradScaler``): its scale and
+    growth tracker, without which a resumed fp16 run starts from the initial scale again.
     With ``process_group`` (or a DTensor model) every rank calls it: each writes its own
     shards of parameters and moments and its own RNG states; rank 0 writes the metadata.
     Save options as for :func:`lean_store.save` (``options=`` or keywords); ``blocking=False``
@@ -101,13 +104,13 @@ def save_training(
                          snapshot=snapshot, storage_options=storage_options)
     return _save(path, "training", dict(model=model, names_model=model, optimizer=optimizer,
                                         scheduler=scheduler, step=step, rng=rng, data=data,
-                                        extra=extra, generators=generators),
+                                        extra=extra, generators=generators, scaler=scaler),
                  backend=backend, process_group=process_group, blocking=blocking,
                  options=opts)
 
 
 def _check_parts(how: dict[str, Any]) -> None:
-    """CheckpointError naming an optimizer, scheduler or ``generators`` of the wrong kind
+    """CheckpointError naming an optimizer, scheduler, scaler or ``generators`` of the wrong kind
     (an optimizer passed as the model, a number), before anything is read or written."""
     optimizer = how.get("optimizer")
     if optimizer is not None and not (
@@ -117,11 +120,12 @@ def _check_parts(how: dict[str, Any]) -> None:
     ):
         raise CheckpointError(f"optimizer must be a torch optimizer (param_groups, state_dict, "
                               f"load_state_dict), got {type(optimizer).__name__}")
-    scheduler = how.get("scheduler")
-    if scheduler is not None and not (callable(getattr(scheduler, "state_dict", None))
-                                      and callable(getattr(scheduler, "load_state_dict", None))):
-        raise CheckpointError(f"scheduler must have state_dict() and load_state_dict(), got "
-                              f"{type(scheduler).__name__}")
+    for field in ("scheduler", "scaler"):
+        part = how.get(field)
+        if part is not None and not (callable(getattr(part, "state_dict", None))
+                                     and callable(getattr(part, "load_state_dict", None))):
+            raise CheckpointError(f"{field} must have state_dict() and load_state_dict(), got "
+                                  f"{type(part).__name__}")
     generators = how.get("generators")
     if generators is not None and not isinstance(generators, Mapping):
         raise CheckpointError(f"generators must map names to RNG objects, got "
@@ -174,16 +178,18 @@ def load_training(
     generators: Mapping[str, Any] | None = None,
     scheduled: Collection[str] = SCHEDULED,
     process_group: Any = None,
+    scaler: Any = None,
 ) -> TrainingInfo:
-    """Restore a training checkpoint in place: model, optimizer, scheduler, data position and
-    RNG states, all validated before any is changed. Returns a :class:`TrainingInfo`.
+    """Restore a training checkpoint in place: model, optimizer, scheduler, loss scaler, data
+    position and RNG states, all validated before any is changed. Returns a
+    :class:`TrainingInfo`.
     With ``process_group`` (or a DTensor model) every rank calls it and reads only its own
     regions, from a checkpoint saved by any number of ranks; all ranks validate and agree
     before any installs. Each rank gets its own RNG states back when the world size is the
     one that saved; otherwise RNG is skipped with a warning."""
     return _load(path, model=model, names_model=model, optimizer=optimizer,
                  scheduler=scheduler, data=data, rng=rng, generators=generators,
-                 scheduled=scheduled, process_group=process_group)
+                 scheduled=scheduled, process_group=process_group, scaler=scaler)
 
 
 def _load(path: Any, *, process_group: Any, **how: Any) -> TrainingInfo:

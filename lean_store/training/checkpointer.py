@@ -156,7 +156,7 @@ class Checkpointer:
              options: SaveOptions | None = None, chunk_bytes: int | None = None,
              compression: Any = None, checksum: str | None = None, progress: Any = None,
              buffer_bytes: int | None = None,
-             storage_options: dict[str, Any] | None = None) -> Path:
+             storage_options: dict[str, Any] | None = None, scaler: Any = None) -> Path:
         """Write ``step`` atomically, then drop the oldest steps beyond ``keep_last``.
         Save options: the Checkpointer's, with this call's keywords (``compression=``,
         ``chunk_bytes=``, ...) overriding them, or this call's ``options`` instead."""
@@ -168,7 +168,7 @@ class Checkpointer:
             return self._save_sharded(comm, step, model=model, optimizer=optimizer,
                                       scheduler=scheduler, rng=rng, data=data, extra=extra,
                                       generators=generators, overwrite=overwrite,
-                                      options=opts)
+                                      options=opts, scaler=scaler)
         _check_step(step)
         self.clean_incomplete()
         existing = self._entries().get(step)
@@ -183,14 +183,15 @@ class Checkpointer:
             with linking_from(base, described) as linking:
                 save_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
                               step=step, rng=rng, data=data, extra=extra,
-                              generators=generators, backend=self.backend, options=opts)
+                              generators=generators, backend=self.backend, options=opts,
+                              scaler=scaler)
             # the next step links to this one: its arrays as written, no document reread
             self._described = linking.described(path)
             self.last_save_stats = linking.stats if base is not None else None
         else:
             save_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
                           step=step, rng=rng, data=data, extra=extra, generators=generators,
-                          backend=self.backend, options=opts)
+                          backend=self.backend, options=opts, scaler=scaler)
             self.last_save_stats = None
         if existing is not None and existing != path:
             self._remove(existing)
@@ -301,19 +302,20 @@ class Checkpointer:
     def restore(self, step: int | None = None, *, model: Any, optimizer: Any = None,
                 scheduler: Any = None, data: Any = None, rng: bool = True,
                 generators: Mapping[str, Any] | None = None,
-                scheduled: Any = SCHEDULED) -> TrainingInfo:
+                scheduled: Any = SCHEDULED, scaler: Any = None) -> TrainingInfo:
         """Restore ``step`` (default: the latest) in place; see :func:`load_training`."""
         comm = self._comm(model, optimizer)
         if comm is not None:  # rank 0 chooses the step, so every rank loads the same one
             path = on_rank0(comm, lambda: str(self._find(step)))
             return load_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
                                  data=data, rng=rng, generators=generators,
-                                 scheduled=scheduled, process_group=self.process_group)
+                                 scheduled=scheduled, process_group=self.process_group,
+                                 scaler=scaler)
         path = self._find(step)
         try:
             return load_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
                                  data=data, rng=rng, generators=generators,
-                                 scheduled=scheduled)
+                                 scheduled=scheduled, scaler=scaler)
         except IntegrityError as exc:
             older = self.steps()[:-1]  # the latest was restored: the steps before it
             if step is not None or not older:

@@ -53,12 +53,13 @@ class TrainingInfo:
 def build_training_state(
     *, model: Any, names_model: Any, optimizer: Any, scheduler: Any = None,
     step: int | None = None, rng: bool = True, data: Any = None, extra: Any = None,
-    generators: Mapping[str, Any] | None = None,
+    generators: Mapping[str, Any] | None = None, scaler: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], Any]:
     """(tensors, metadata without ``rng``, RNG tensors, RNG metadata or None): what one process
     contributes to a training checkpoint. Shared by the single-process and the sharded save."""
     tensors, meta = training_tensors(model=model, names_model=names_model, optimizer=optimizer,
-                                     scheduler=scheduler, step=step, data=data, extra=extra)
+                                     scheduler=scheduler, step=step, data=data, extra=extra,
+                                     scaler=scaler)
     rng_tensors: dict[str, Any] = {}
     rng_meta = None
     if rng or generators:
@@ -93,8 +94,8 @@ def training_root(text: str) -> dict[str, Any]:
 
 
 def training_tensors(*, model: Any, names_model: Any, optimizer: Any, scheduler: Any = None,
-                     step: int | None = None, data: Any = None, extra: Any = None
-                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+                     step: int | None = None, data: Any = None, extra: Any = None,
+                     scaler: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every tensor of a training checkpoint but the RNG states, by name, and its metadata
     (without ``rng``). Shared by the single-process and the sharded save."""
     from ..sources.optimizer import class_name, describe, param_names
@@ -110,11 +111,12 @@ def training_tensors(*, model: Any, names_model: Any, optimizer: Any, scheduler:
     if optimizer is not None:
         names = param_names(optimizer, names_model)
         meta["optimizer"] = describe(optimizer, names, "optimizer/", tensors)
-    if scheduler is not None:
-        meta["scheduler"] = {
-            "class": class_name(scheduler),
-            "state": encode(scheduler.state_dict(), "scheduler", tensors),
-        }
+    for field, part in (("scheduler", scheduler), ("scaler", scaler)):
+        if part is not None:  # an LR scheduler, a mixed-precision loss scaler
+            meta[field] = {
+                "class": class_name(part),
+                "state": encode(part.state_dict(), field, tensors),
+            }
     if data is not None:
         meta["data"] = _data_meta(data, tensors)
     if extra is not None:
@@ -230,13 +232,14 @@ class TrainingReader:
 
 def load_single(path: Any, *, model: Any, names_model: Any, optimizer: Any, rng: bool,
                 generators: Mapping[str, Any] | None, scheduled: Collection[str],
-                stacklevel: int, scheduler: Any = None, data: Any = None) -> TrainingInfo:
+                stacklevel: int, scheduler: Any = None, data: Any = None,
+                scaler: Any = None) -> TrainingInfo:
     """Restore a training checkpoint in one process (see :func:`lean_store.load_training`);
     Python's cyclic collector paused meanwhile (:mod:`..gc_pause`)."""
     with collection_paused(), Checkpoint(path) as ck:
         prepared = prepare_load(ck, model=model, names_model=names_model, optimizer=optimizer,
                                 rng=rng, generators=generators, scheduled=scheduled,
-                                scheduler=scheduler, data=data)
+                                scheduler=scheduler, data=data, scaler=scaler)
         prepared.install()
     warn_lost(path, prepared.lost, stacklevel)
     return prepared.info
@@ -268,7 +271,8 @@ def prepare_load(ck: Checkpoint, *, model: Any, names_model: Any, optimizer: Any
                  generators: Mapping[str, Any] | None, scheduled: Collection[str],
                  scheduler: Any = None, data: Any = None, rank: int = 0, world: int = 1,
                  prepare_model: Callable[[Checkpoint, Any], Callable[[], None]] | None = None,
-                 read_state: Callable[[str, Any], Any] | None = None) -> PreparedLoad:
+                 read_state: Callable[[str, Any], Any] | None = None,
+                 scaler: Any = None) -> PreparedLoad:
     """Validate everything a training checkpoint holds against the live objects and read what
     is needed; nothing is changed until ``install()`` of the result. The sharded load passes
     ``rank``/``world`` (whose RNG states to restore), ``prepare_model`` (reads this rank's
@@ -293,8 +297,9 @@ def prepare_load(ck: Checkpoint, *, model: Any, names_model: Any, optimizer: Any
         prepared = prepare(optimizer, names, meta["optimizer"], prefix, ck.layout,
                            read_state or reader.tensor, reader.lookup, scheduled=scheduled)
         installs.append(prepared.install)
-    if scheduler is not None:
-        installs.append(_prepare_scheduler(meta.get("scheduler"), scheduler, reader, ck.path))
+    for field, part in (("scheduler", scheduler), ("scaler", scaler)):
+        if part is not None:
+            installs.append(_prepare_stateful(field, meta.get(field), part, reader, ck.path))
     data_state = None
     if meta.get("data") is not None:
         data_state, install = _prepare_data(meta["data"], data, reader, ck.path)
@@ -402,21 +407,23 @@ def stored_spelling(names: list[str], meta: Any) -> list[str]:
     return [spelling.get(name, name) for name in names]
 
 
-def _prepare_scheduler(meta: Any, scheduler: Any, reader: TrainingReader,
-                       where: Any) -> Callable[[], None]:
+def _prepare_stateful(field: str, meta: Any, part: Any, reader: TrainingReader,
+                      where: Any) -> Callable[[], None]:
+    """The install of a scheduler's or a loss scaler's state (``field``), validated now: the
+    same class, the same keys."""
     from ..sources.optimizer import class_name
 
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{where} holds no scheduler state")
-    if meta.get("class") != class_name(scheduler):
-        raise layout_error([Difference("scheduler class", None, class_name(scheduler),
-                                       meta.get("class"))], "scheduler")
-    state = decode(meta.get("state"), reader.lookup, "scheduler")
-    live = scheduler.state_dict()
+        raise CheckpointError(f"{where} holds no {field} state")
+    if meta.get("class") != class_name(part):
+        raise layout_error([Difference(f"{field} class", None, class_name(part),
+                                       meta.get("class"))], field)
+    state = decode(meta.get("state"), reader.lookup, field)
+    live = part.state_dict()
     if not isinstance(state, dict) or set(state) != set(live):
         got = sorted(state) if isinstance(state, dict) else state
-        raise layout_error([Difference("scheduler keys", None, sorted(live), got)], "scheduler")
-    return lambda: scheduler.load_state_dict(state)
+        raise layout_error([Difference(f"{field} keys", None, sorted(live), got)], field)
+    return lambda: part.load_state_dict(state)
 
 
 def _prepare_data(meta: Any, data: Any, reader: TrainingReader, where: Any) -> tuple[Any, Any]:

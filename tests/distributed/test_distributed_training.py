@@ -112,6 +112,16 @@ def reference():
 # ------------------------------------------------------------------------- scenarios
 
 
+def trained_scaler():
+    """A mixed-precision loss scaler after some steps: backed off once, grown since."""
+    import torch
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=3)
+    scaler.load_state_dict({"scale": 2.0 ** 14 / 3, "growth_factor": 2.0,
+                            "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": 2})
+    return scaler
+
+
 def scenario_save4(rank: int, world: int, out: Path) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DeviceMesh
@@ -130,7 +140,8 @@ def scenario_save4(rank: int, world: int, out: Path) -> dict:
         out / "bad.zarr", model=model, optimizer=opt, step=1 + (rank == 3)))
     for name in ("tr.zarr", "tr.h5"):
         ls.save_training(out / name, model=model, optimizer=opt, scheduler=sched, step=1,
-                         extra={"note": "sharded"}, process_group=dist.group.WORLD)
+                         extra={"note": "sharded"}, process_group=dist.group.WORLD,
+                         scaler=trained_scaler())
     run = ls.Checkpointer(out / "run", keep_last=2, backend="hdf5",
                           process_group=dist.group.WORLD)
     for step in (1, 2, 3):
@@ -214,6 +225,7 @@ def scenario_cont4(rank: int, world: int, out: Path) -> dict:
 
 def scenario_load2(rank: int, world: int, out: Path) -> dict:
     """2 ranks, weights on Shard(1): parameters and moments equal the saved state."""
+    import torch
     from torch.distributed.tensor import DeviceMesh
 
     import lean_store as ls
@@ -227,9 +239,11 @@ def scenario_load2(rank: int, world: int, out: Path) -> dict:
         opt, sched = optimizer_for(model)
         if not fresh:
             init_optimizer_state(opt)  # live state: loaded into its placements
+        scaler = torch.amp.GradScaler("cpu")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            info = ls.load_training(out / name, model=model, optimizer=opt, scheduler=sched)
+            info = ls.load_training(out / name, model=model, optimizer=opt, scheduler=sched,
+                                    scaler=scaler)
         state = training_state(model, opt)
         rec[name] = {
             "equal": {k: local_equal(v, saved[k]) for k, v in state.items()},
@@ -237,6 +251,7 @@ def scenario_load2(rank: int, world: int, out: Path) -> dict:
                                   if hasattr(v, "placements")}),
             "step": info.step, "rng_restored": info.rng_restored, "hyper": hyper(opt),
             "last_epoch": sched.last_epoch, "warnings": [str(w.message) for w in caught],
+            "scaler": scaler.state_dict(),
         }
     return rec
 
@@ -361,6 +376,7 @@ def test_four_ranks_reshard_into_two_ranks(worlds):
             assert r["step"] == 1 and r["last_epoch"] == 1 and r["hyper"] == saved[0]["hyper"]
             assert not r["rng_restored"]
             assert any("saved by 4 ranks, loading on 2" in w for w in r["warnings"])
+            assert r["scaler"] == trained_scaler().state_dict()  # the loss scaler too
 
 
 @pytest.mark.parametrize("name", ["tr.zarr", "tr.h5"])
