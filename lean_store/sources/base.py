@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,41 @@ class TargetTensor(ABC):
         """Called once every tensor of the load is installed (nothing to do for memory that
         was written in place)."""
         return None
+
+
+EXACT_OVERLAP_ELEMENTS = 1 << 22
+"""A view whose strides alone cannot rule out overlap has its element offsets compared one by
+one up to this many elements (32 MiB of offsets); a larger one is taken as overlapping."""
+
+
+def elements_overlap(shape: Sequence[int], byte_strides: Sequence[int], itemsize: int) -> bool:
+    """True when two elements of a strided view (``shape``, strides in bytes, any sign) may lie
+    in the same memory: an ``expand()``ed or broadcast view (a stride of 0), an overlapping
+    ``as_strided`` view. Such a view cannot hold a checkpoint's values: of the elements that
+    share memory, the last one written wins."""
+    if 0 in shape:
+        return False
+    reach = 0  # the farthest byte offset the dimensions of smaller strides reach
+    for stride, n in sorted((abs(s), n) for n, s in zip(shape, byte_strides) if n > 1):
+        if stride < reach + itemsize:
+            break
+        reach += stride * (n - 1)
+    else:
+        return False
+    if math.prod(shape) > EXACT_OVERLAP_ELEMENTS:
+        return True
+    offsets = np.zeros(1, dtype=np.int64)
+    for n, stride in zip(shape, byte_strides):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).ravel()
+    offsets.sort()
+    return bool((np.diff(offsets) < itemsize).any())
+
+
+def overlap_refusal(name: str) -> str:
+    """Why a load into an overlapping view of ``name`` is refused, and what to do instead."""
+    return (f"cannot load tensor {name!r} into a view whose elements share memory (an "
+            "expand()ed or broadcast view, an overlapping as_strided view): it cannot hold the "
+            "checkpoint's values; load into a tensor of its own (view.clone())")
 
 
 def adopt_stored(targets: Mapping[str, TargetTensor], stored: Layout) -> None:

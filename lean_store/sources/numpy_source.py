@@ -12,7 +12,7 @@ from ..encoded import Encoded
 from ..errors import CheckpointError, FormatError, UnsupportedValueError
 from ..formats import ScalarFormat, of_numpy_dtype
 from ..layout import Entry, Layout
-from .base import SourceTensor, TargetTensor, TensorSource
+from .base import SourceTensor, TargetTensor, TensorSource, elements_overlap, overlap_refusal
 
 
 def is_array_mapping(obj: Any) -> bool:
@@ -119,6 +119,9 @@ class ArrayTarget(TargetTensor):
         self.entry = entry
         if not array.flags.writeable:
             raise CheckpointError(f"target {entry.name!r} is read-only")
+        if not (array.flags.c_contiguous or array.flags.f_contiguous) and elements_overlap(
+                array.shape, array.strides, array.itemsize):
+            raise UnsupportedValueError(overlap_refusal(entry.name))
         self._array = array.reshape(1) if array.ndim == 0 else array
 
     def write(self, region: Region, bits: np.ndarray) -> None:

@@ -15,7 +15,7 @@ from ..errors import CheckpointError, FormatError, UnsupportedValueError
 from ..formats import ScalarFormat, complex_of, get
 from ..layout import Entry, Layout
 from ..stream import CopyEngine
-from .base import SourceTensor, TargetTensor, TensorSource
+from .base import SourceTensor, TargetTensor, TensorSource, elements_overlap, overlap_refusal
 from .module_names import canonical_state
 from .module_state import check_own_memory, check_settable, hand_over, owners_in
 from .numpy_source import ArraySourceTensor, ArrayTarget, format_of_value, masked_entry
@@ -327,6 +327,10 @@ class TorchTarget(TargetTensor):
                 f"{'conjugate' if tensor.is_conj() else 'negative'} view (its memory holds other "
                 "values than it shows): load into the tensor it views, or into a tensor of its "
                 "own (view.resolve_conj() / view.resolve_neg())")
+        if not tensor.is_contiguous() and elements_overlap(
+                tuple(tensor.shape), [s * tensor.element_size() for s in tensor.stride()],
+                tensor.element_size()):
+            raise UnsupportedValueError(overlap_refusal(entry.name))
         self._bits = bit_view(tensor.reshape(1) if tensor.dim() == 0 else tensor)
 
     def write(self, region: Region, bits: np.ndarray) -> None:
