@@ -12,7 +12,9 @@ name               suffixes                    notes
 =================  ==========================  ===============================================
 hdf5               .h5 .hdf5 .hdf              lean_store; every format
 zarr               .zarr                       lean_store; every format
-safetensors        .safetensors                standard dtypes up to 8 bytes, complex64
+safetensors        .safetensors                standard dtypes up to 8 bytes, complex64; as
+                   .safetensors.index.json     input also a Hugging Face sharded checkpoint
+                                               (its index, or the directory holding it)
 torch              .pt .pth .bin               read with ``torch.load(weights_only=True)``
 torchlean-sf32     .tlsf32 .sf32               TLSF32B: float32 tensors only
 torchlean-json     .json                       JSON state: one TorchLean format tag per file
@@ -64,6 +66,10 @@ def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading
     if reading:
         if not p.exists():
             raise CheckpointError(f"no file at {p}: the path does not exist")
+        from .safetensors_index import index_of
+
+        if index_of(p) is not None:  # a Hugging Face sharded checkpoint (or its directory)
+            return "safetensors"
         if p.is_dir():
             return "zarr"
         from ..stores.hdf5.checks import hdf5_superblock_offset
@@ -192,9 +198,12 @@ def open_input(path: str | os.PathLike, fmt: str | None = None) -> Input:
         return Input(fmt, _CheckpointSource(ck), kind=ck.kind, extra=extra, closer=ck.close,
                      read_words=lambda entry: ck.read_bits(entry.name))
     if fmt == "safetensors":
+        from .safetensors_index import ShardedSafetensorsSource, index_of
         from .safetensors_io import SafetensorsSource
 
-        st = SafetensorsSource(path)
+        index = index_of(path)
+        st: SafetensorsSource | ShardedSafetensorsSource = (
+            SafetensorsSource(path) if index is None else ShardedSafetensorsSource(index))
         return Input(fmt, st, extra=st.extra, closer=st.close, read_words=st.words)
     if fmt == "torch":
         from .torch_io import TorchFileSource

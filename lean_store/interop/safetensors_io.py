@@ -95,7 +95,9 @@ def unrepresentable(layout: Layout) -> list[str]:
 # ------------------------------------------------------------------------------------ reading
 
 
-class _MappedTensor(SourceTensor):
+class MappedTensor(SourceTensor):
+    """Regions of a tensor's words in a memory-mapped file."""
+
     def __init__(self, words: np.ndarray) -> None:
         self._words = words
 
@@ -139,7 +141,7 @@ class SafetensorsSource(TensorSource):
 
     def tensors(self) -> Iterator[tuple[Entry, SourceTensor]]:
         for entry in self.layout:
-            yield entry, _MappedTensor(self.words(entry))
+            yield entry, MappedTensor(self.words(entry))
 
     def close(self) -> None:
         self._map = None

@@ -1,0 +1,136 @@
+"""A Hugging Face sharded safetensors checkpoint as one input.
+
+``save_pretrained`` writes a model larger than its shard size as several safetensors files and
+an index beside them, ``model.safetensors.index.json``::
+
+    {"metadata": {"total_size": ...},
+     "weight_map": {"<tensor>": "model-00001-of-00002.safetensors", ...}}
+
+:class:`ShardedSafetensorsSource` reads the index and every shard file it names as one state
+(``lean-store convert <index or its directory> out.h5``). The index and the files must agree
+exactly: every tensor the index maps is in its file, no file holds a tensor the index does not
+map to it, and shard names are plain file names in the index's directory (never a path that
+leads elsewhere). Any disagreement is one :class:`IntegrityError` listing every difference,
+before anything is written. Tensors keep the shards' order, each file's in data order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, IntegrityError, UnsafeFileError
+from ..hardening import check_json_depth
+from ..layout import Entry, Layout
+from ..sources.base import SourceTensor, TensorSource
+from .safetensors_io import MappedTensor, SafetensorsSource
+
+INDEX_SUFFIX = ".safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20  # an index of a million tensors is ~80 MB; today's largest ~2 MB
+_LISTED = 8  # differences named in one error
+
+
+def index_of(path: str | os.PathLike) -> Path | None:
+    """The index ``path`` names: the file itself (``*.safetensors.index.json``), or the one
+    index in a directory that is not a Zarr store; None otherwise."""
+    p = Path(path)
+    if p.is_file() and p.name.endswith(INDEX_SUFFIX):
+        return p
+    if p.is_dir() and not (p / "zarr.json").exists():
+        found = sorted(q for q in p.glob(f"*{INDEX_SUFFIX}") if q.is_file())
+        if len(found) > 1:
+            raise CheckpointError(f"{p} holds {len(found)} safetensors indexes "
+                                  f"({', '.join(q.name for q in found)}): name the one to read")
+        return found[0] if found else None
+    return None
+
+
+def _read_index(index: Path) -> tuple[dict[str, str], Any]:
+    try:
+        size = index.stat().st_size
+        if size > MAX_INDEX_BYTES:
+            raise UnsafeFileError(f"{index}: {size} bytes is too large for a safetensors index")
+        raw = index.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {index}: {exc.strerror or exc}") from None
+    check_json_depth(raw, str(index))
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise IntegrityError(f"{index}: not a valid JSON safetensors index ({exc})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise IntegrityError(f"{index}: a safetensors index needs a non-empty weight_map of "
+                             "tensor names to shard file names")
+    for name in set(weight_map.values()):
+        if name in ("", ".", "..") or Path(name).name != name or "\\" in name or "\0" in name:
+            raise UnsafeFileError(f"{index}: shard {name!r} is not a file name in the index's "
+                                  "directory")
+    return weight_map, doc.get("metadata")
+
+
+class ShardedSafetensorsSource(TensorSource):
+    """The tensors of every shard an index names, as exact raw words (memory-mapped).
+
+    ``metadata`` is the shards' common ``__metadata__`` (None when they differ or have none),
+    ``index_metadata`` the index's own ``metadata``."""
+
+    kind = "state"
+
+    def __init__(self, index: str | os.PathLike) -> None:
+        self.path = Path(index)
+        weight_map, self.index_metadata = _read_index(self.path)
+        self._shards: dict[str, SafetensorsSource] = {}
+        try:
+            problems: list[str] = []
+            for file in sorted(set(weight_map.values())):
+                shard = self.path.parent / file
+                if shard.is_symlink() or not shard.is_file():
+                    problems.append(f"shard {file!r} is not a file beside the index")
+                    continue
+                self._shards[file] = SafetensorsSource(shard)
+            self._owner: dict[str, str] = {}
+            specs = []
+            for file, source in self._shards.items():
+                mapped = {n for n, f in weight_map.items() if f == file}
+                held = set(source.layout.names())
+                problems += [f"{n!r} is mapped to {file!r}, which does not hold it"
+                             for n in sorted(mapped - held)]
+                problems += [f"{file!r} holds {n!r}, which the index " + (
+                    f"maps to {weight_map[n]!r}" if n in weight_map else "does not list")
+                    for n in sorted(held - mapped)]
+                for entry in source.layout:
+                    if entry.name in mapped:
+                        self._owner[entry.name] = file
+                        specs.append((entry.name, entry.shape, entry.format))
+            if problems:
+                shown = "\n".join(f"  - {p}" for p in problems[:_LISTED])
+                more = f"\n  ... and {len(problems) - _LISTED} more" \
+                    if len(problems) > _LISTED else ""
+                raise IntegrityError(f"{self.path}: the index and its shard files disagree "
+                                     f"({len(problems)}):\n{shown}{more}")
+            self.layout = Layout.from_specs(specs)
+        except BaseException:
+            self.close()
+            raise
+        kinds = {json.dumps(s.metadata, sort_keys=True) for s in self._shards.values()}
+        self.metadata = next(iter(self._shards.values())).metadata if len(kinds) == 1 else None
+        self.extra = {"safetensors_metadata": json.dumps(self.metadata)}
+
+    def words(self, entry: Entry) -> np.ndarray:
+        shard = self._shards[self._owner[entry.name]]
+        return shard.words(shard.layout[entry.name])
+
+    def tensors(self) -> Iterator[tuple[Entry, SourceTensor]]:
+        for entry in self.layout:
+            yield entry, MappedTensor(self.words(entry))
+
+    def close(self) -> None:
+        for shard in self._shards.values():
+            shard.close()
