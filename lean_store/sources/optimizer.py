@@ -22,7 +22,7 @@ import torch
 from ..errors import CheckpointError
 from ..formats import ScalarFormat, get
 from ..layout import Difference, Layout, layout_error
-from ..statetree import decode, encode
+from ..statetree import decode, encode, tensor_names
 from .module_names import canonical_names
 from .torch_source import format_of_dtype, unwrapped
 
@@ -97,6 +97,8 @@ def _kind(value: Any) -> str:
         return "int"
     if isinstance(value, float):
         return "float"
+    if isinstance(value, (list, tuple)):  # LBFGS' direction and step histories
+        return "tree"
     return type(value).__name__
 
 
@@ -121,6 +123,7 @@ def describe(
         )
     params = _params(optimizer)
     state_meta: dict[str, dict[str, str]] = {}
+    trees: dict[str, dict[str, Any]] = {}
     for name, values in live.items():
         kinds: dict[str, str] = {}
         for key, value in values.items():
@@ -136,10 +139,13 @@ def describe(
                 tensors[f"{prefix}state/{name}/{key}"] = np.asarray(
                     value, dtype=_NUMBER_FORMATS[kind]
                 )
+            elif kind == "tree":  # a list of tensors and numbers: a state tree (FORMAT.md 7)
+                trees.setdefault(name, {})[key] = encode(
+                    value, f"{prefix}state/{name}/{key}", tensors)
             elif kind != "none":
                 raise CheckpointError(
-                    f"{where} is a {kind}; lean_store stores optimizer state made of tensors and "
-                    "numbers only (no pickle)"
+                    f"{where} is a {kind}; lean_store stores optimizer state made of tensors, "
+                    "numbers and lists of them only (no pickle)"
                 )
             kinds[key] = kind
         state_meta[name] = kinds
@@ -151,7 +157,7 @@ def describe(
             "params": names[start:start + len(group["params"])],
             "hyper": encode(hyper, f"{prefix}groups/{g}", tensors),
         })
-    return {
+    meta = {
         "class": class_name(optimizer),
         "groups": groups,
         "params": [
@@ -160,6 +166,9 @@ def describe(
         ],
         "state": state_meta,
     }
+    if trees:
+        meta["state_trees"] = trees
+    return meta
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -311,6 +320,9 @@ def prepare(
                                     "the optimizer does not have"))
     expected_specs: list[tuple[str, tuple[int, ...], ScalarFormat]] = []
     kinds: dict[str, dict[str, str]] = {}
+    trees = meta.get("state_trees", {})
+    if not isinstance(trees, dict):
+        raise CheckpointError("the checkpoint's optimizer state trees are malformed")
     group_of = {n: lg for lg, fg in zip(live_groups, groups) for n in fg["params"]}
     for name in names:
         got = file_state.get(name, {})
@@ -342,6 +354,18 @@ def prepare(
                 continue
             if kind in _NUMBER_FORMATS:
                 expected_specs.append((tname, (), get(_NUMBER_FORMATS[kind])))
+            elif kind == "tree":  # its tensors as the file has them, all under its own name
+                tree = trees.get(name, {}).get(key) if isinstance(trees.get(name), dict) \
+                    else None
+                if tree is None:
+                    diffs.append(Difference("missing", tname, "its state tree", None))
+                    continue
+                for _, inner in tensor_names(tree):
+                    if not inner.startswith(f"{tname}/") or inner not in file_layout:
+                        diffs.append(Difference("missing", inner, "a tensor of " + tname, None))
+                    else:
+                        expected_specs.append((inner, file_layout[inner].shape,
+                                               file_layout[inner].format))
             elif kind == "tensor":
                 if shape is None or dtype is None:  # no expectation: the file's own
                     if tname in file_layout:
@@ -369,6 +393,8 @@ def prepare(
             tname = f"{prefix}state/{name}/{key}"
             if kind == "none":
                 values[key] = None
+            elif kind == "tree":  # torch's load_state_dict moves its tensors to the parameter
+                values[key] = decode(trees[name][key], lookup, tname)
             elif kind == "tensor":
                 live_value = live_state.get(name, {}).get(key)
                 device = live_value.device if isinstance(live_value, torch.Tensor) else (
