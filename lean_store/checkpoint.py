@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,7 +45,7 @@ from .sources import TargetTensor, tensor_source, tensor_targets
 from .sources.base import adopt_stored
 from .sources.module_names import respelled, spelled_as
 from .stores.base import ChunkProblem, Selection, StorageDescription, StoredTensor
-from .stores.commit import is_url
+from .stores.commit import at_call_time, is_url
 from .stores.registry import open_reader
 from .writing import OVERLAP_CRC_BYTES
 
@@ -69,6 +70,10 @@ class TensorHandle:
         self._ck = checkpoint
         self.entry = entry
         self.stored = stored
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its checkpoint (see :meth:`Checkpoint.__reduce__`)."""
+        return (_handle_of, (self._ck, self.entry.name))
 
     @property
     def name(self) -> str:
@@ -177,6 +182,10 @@ class Checkpoint(Mapping[str, TensorHandle]):
                  storage_options: dict[str, Any] | None = None) -> None:
         self.path = path
         self._closed = False
+        # where a pickled handle opens it again: the path as meant now (the working directory
+        # may change), or None for a store or file object
+        self._reopen_at = at_call_time(path) if isinstance(path, (str, os.PathLike)) else None
+        self._storage_options = storage_options
         self._pool: ThreadPoolExecutor | None = None  # checks chunks while reading ahead
         for attempt in range(OPEN_ATTEMPTS):  # a save replaced the path while it was opened
             try:
@@ -561,11 +570,41 @@ class Checkpoint(Mapping[str, TensorHandle]):
     def __enter__(self) -> Checkpoint:
         return self
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (a DataLoader's workers under spawn or forkserver): opened again by path in
+        the process that unpickles it, and refused there with CheckpointReplacedError if a
+        newer save replaced the checkpoint meanwhile (its ``save_id`` differs), so a handle
+        never reads another checkpoint than the one it was opened on."""
+        if self._closed:
+            raise CheckpointError(f"{self.path}: the checkpoint was closed; a closed handle "
+                                  "cannot be pickled")
+        if self._reopen_at is None:
+            raise CheckpointError(
+                f"a checkpoint opened from a {type(self.path).__name__} cannot be pickled (it "
+                "cannot be opened again elsewhere): open it by its path")
+        return (_reopened, (self._reopen_at, self.backend, self._storage_options,
+                            self.root_attrs.get("save_id")))
+
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def __repr__(self) -> str:
         return f"<lean_store.Checkpoint {self.backend} {str(self.path)!r} {len(self)} tensors>"
+
+
+def _reopened(path: Any, backend: str, storage_options: dict[str, Any] | None,
+              save_id: Any) -> Checkpoint:
+    """A pickled :class:`Checkpoint`, opened again: the same checkpoint or none."""
+    ck = Checkpoint(path, backend=backend, storage_options=storage_options)
+    if save_id is not None and ck.root_attrs.get("save_id") != save_id:
+        ck.close()
+        raise CheckpointReplacedError(path, "after the handle was pickled; unpickled, it opened "
+                                      "another save")
+    return ck
+
+
+def _handle_of(checkpoint: Checkpoint, name: str) -> TensorHandle:
+    return checkpoint[name]
 
 
 def _digest_mismatch(name: str, crc: int, recorded: int) -> str:

@@ -67,7 +67,10 @@ def backend_for(path: str | os.PathLike, backend: str | None = None) -> str:
 def detect_backend(path: str | os.PathLike) -> str:
     """The backend of an existing checkpoint, from what is on disk."""
     if not isinstance(path, (str, os.PathLike)):
-        return ZARR.name  # a zarr store object (LocalStore, ZipStore, MemoryStore, FsspecStore)
+        zarr = sys.modules.get("zarr")  # a zarr store object exists only once zarr is imported
+        if zarr is not None and isinstance(path, zarr.abc.store.Store):
+            return ZARR.name  # LocalStore, ZipStore, MemoryStore, FsspecStore
+        return HDF5.name  # a binary file object (checkpoint_path): h5py reads HDF5 through it
     if is_url(path):
         return ZARR.name  # fsspec URLs (file://, s3://, ...) hold Zarr stores
     check_checkpoint_path(path)  # a FIFO or device is refused here, never opened
