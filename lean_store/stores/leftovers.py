@@ -98,30 +98,34 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def writer_gone(path: Path) -> bool | None:
+    """Whether the save that named the temporary ``path`` (``...lean_store-tmp-<32 hex>``) is
+    known not to write it any more: True for one of this host and PID namespace whose process
+    no longer runs, or one of this process that no save of it still writes; False while it
+    may; None where it cannot be judged from here (another host or container, an older
+    naming)."""
+    if os.name != "posix":  # os.kill(pid, 0) would signal the process elsewhere
+        return None
+    _, sep, suffix = path.name.rpartition(".lean_store-tmp-")
+    if not sep or not _HEX.fullmatch(suffix) or suffix[:8] != owner_tag():
+        return None
+    pid = int(suffix[8:16], 16)
+    if pid == os.getpid():
+        with _LOCK:
+            return key_of(path) not in _ACTIVE  # else another thread's save, still writing
+    return pid > 0 and not _alive(pid)
+
+
 def dead_temporaries(target: Path) -> list[Path]:
     """The temporaries beside ``target`` whose writer is known not to write them any more."""
-    if os.name != "posix":  # os.kill(pid, 0) would signal the process elsewhere
-        return []
-    prefix, tag, me = _prefix(target), owner_tag(), os.getpid()
+    prefix = _prefix(target)
     try:
         names = os.listdir(target.parent)
     except OSError:
         return []
-    dead = []
-    for name in names:
-        suffix = name[len(prefix):]
-        if not name.startswith(prefix) or not _HEX.fullmatch(suffix) or suffix[:8] != tag:
-            continue
-        pid = int(suffix[8:16], 16)
-        path = target.with_name(name)
-        if pid == me:
-            with _LOCK:
-                if key_of(path) in _ACTIVE:
-                    continue  # another thread's save, still writing
-        elif pid <= 0 or _alive(pid):
-            continue
-        dead.append(path)
-    return dead
+    return [target.with_name(name) for name in names
+            if name.startswith(prefix) and writer_gone(target.with_name(name)) is True]
 
 
-__all__ = ["dead_temporaries", "finished", "new_temporary", "owner_tag", "sibling_stem"]
+__all__ = ["dead_temporaries", "finished", "new_temporary", "owner_tag", "sibling_stem",
+           "writer_gone"]

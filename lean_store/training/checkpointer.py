@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -38,6 +39,7 @@ from ..distributed.collective import on_rank0
 from ..errors import CheckpointError, ForeignPathError, IntegrityError, SaveIOError
 from ..options import SaveOptions, merge_options
 from ..stores.commit import at_call_time, remove_path
+from ..stores.leftovers import writer_gone
 from ..stores.registry import BACKENDS, backend_record, checkpoint_path
 from ..stores.target import check_replaceable
 from ..stores.zarr.incremental import Described, IncrementalStats, linking_from
@@ -50,6 +52,24 @@ _LEFTOVER = re.compile(r"^\.step_\d{1,19}\.(h5|zarr)\.lean_store-(tmp|old|dead)-
 MAX_DELETING = 2
 """Dropped steps whose files may be being removed in the background at once (bounds the disk
 space a fast run of saves can hold in removed steps)."""
+
+
+STALE_SECONDS = 24 * 3600
+"""A save's temporary whose writer cannot be judged (another host, an older naming) is removed
+by :meth:`Checkpointer.clean_incomplete` once nothing in it changed for this long."""
+
+
+def _untouched_for(path: Path, seconds: float) -> bool:
+    """True when neither ``path`` nor an entry directly inside it changed for ``seconds``."""
+    try:
+        newest = path.lstat().st_mtime
+        if path.is_dir() and not path.is_symlink():
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+    except OSError:
+        return False  # changing under us (or gone): not stale
+    return time.time() - newest > seconds
 
 
 class Checkpointer:
@@ -249,8 +269,11 @@ class Checkpointer:
         for step in sorted(entries)[: max(0, len(entries) - self.keep_last)]:
             try:
                 self._remove(entries[step])
+            except FileNotFoundError:
+                continue  # pruned meanwhile by another process saving into this directory
             except ForeignPathError as exc:  # the save itself succeeded: keep it, and say so
-                warnings.warn(f"not pruning step {step}: {exc}", stacklevel=3)
+                if os.path.lexists(entries[step]):  # (else pruned while it was looked at)
+                    warnings.warn(f"not pruning step {step}: {exc}", stacklevel=3)
 
     def _remove(self, path: Path) -> None:
         """Delete a step, only if it holds a lean_store checkpoint (else ForeignPathError)."""
@@ -280,7 +303,15 @@ class Checkpointer:
         self._deleting.clear()
 
     def clean_incomplete(self) -> list[Path]:
-        """Remove temporaries left by interrupted saves and deletions; return what went."""
+        """Remove temporaries left by interrupted saves and deletions; return what went.
+
+        Kept: a save's temporary whose writer may still run (another process saving into
+        the same directory, a job restarted while the old one is still alive: removing it
+        would fail that save, or commit a tree with files missing); one whose writer cannot
+        be judged from here (another host, an older lean_store's naming) until it has been
+        left untouched for :data:`STALE_SECONDS`; and the previous checkpoint of a step
+        renamed aside by an overwrite whose new checkpoint was never committed (its only
+        copy, to be renamed back by hand)."""
         removed: list[Path] = []
         try:
             names = os.listdir(self.directory)
@@ -291,10 +322,19 @@ class Checkpointer:
             if busy is not None and not busy.done():
                 continue  # being removed by this Checkpointer's background thread
             path = self.directory / name
+            found = _LEFTOVER.match(name)
             # gone since the listing (the background thread finished it): not ours to report
-            if _LEFTOVER.match(name) and os.path.lexists(path):
-                remove_path(path)
-                removed.append(path)
+            if found is None or not os.path.lexists(path):
+                continue
+            if found.group(2) == "tmp":
+                gone = writer_gone(path)
+                if gone is False or (gone is None and not _untouched_for(path, STALE_SECONDS)):
+                    continue
+            if found.group(2) == "old" and not os.path.lexists(
+                    self.directory / name[1:name.index(".lean_store-old-")]):
+                continue
+            remove_path(path)
+            removed.append(path)
         return removed
 
     # ------------------------------------------------------------------------- restoring

@@ -3,7 +3,9 @@ removed by a background thread, never by another save's cleanup while that runs.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 from torch_optional import require_torch
@@ -87,6 +89,8 @@ def test_a_leftover_gone_since_the_listing_is_neither_touched_nor_reported(tmp_p
     gone = ".step_0000000000.zarr.lean_store-dead-0123abcd"  # listed, no longer on disk
     left = tmp_path / "run" / ".step_0000000000.h5.lean_store-tmp-4567ef"
     left.write_bytes(b"left by a crashed save")
+    days_ago = time.time() - 2 * 86400  # an older lean_store's naming: removed once stale
+    os.utime(left, (days_ago, days_ago))
     real_listdir = checkpointer_module.os.listdir
     monkeypatch.setattr(checkpointer_module.os, "listdir",
                         lambda d: [*real_listdir(d), gone])
