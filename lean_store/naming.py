@@ -93,6 +93,14 @@ def check_names(names: Iterable[str]) -> None:
         except LayoutError as exc:
             problems.append(str(exc))
             continue
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            problems.append(
+                f"tensor name {name!r} is not valid Unicode text (a lone surrogate, as "
+                "os.fsdecode makes of a name that is not UTF-8): HDF5 and Zarr store names as "
+                "UTF-8, so it is refused for every backend")
+            continue
         if len(node.encode("ascii")) > MAX_NODE_BYTES:
             shown = repr(name) if len(name) <= 40 else repr(name[:40])[:-1] + "...'"
             problems.append(

@@ -221,6 +221,10 @@ def test_unsafe_and_colliding_names(tmp_path, suffix):
         ls.save({"Weight": np.zeros(2), "weight": np.zeros(2)}, path)
     with pytest.raises(ls.LayoutError, match="non-empty"):
         ls.save({"": np.zeros(2)}, path)
+    # a lone surrogate (os.fsdecode of a name that is not UTF-8): HDF5 raised a raw
+    # UnicodeEncodeError mid-save, Zarr wrote JSON that strict parsers (zarrs) refuse
+    with pytest.raises(ls.LayoutError, match="not valid Unicode"):
+        ls.save({"ok": np.zeros(1), "w\udc80": np.zeros(2)}, path)
     assert not path.exists()
     odd = {
         "../../etc/passwd": np.zeros(2),
