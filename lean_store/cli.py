@@ -198,11 +198,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- diff
 
 
-def cmd_diff(args: argparse.Namespace) -> int:
+def _diff_side(path: str) -> Any:
+    """A lean_store checkpoint, or any other file ``convert`` reads (safetensors, a Hugging
+    Face sharded checkpoint, torch, TorchLean), for ``diff``."""
     from . import checkpoint
+    from .interop.convert import format_of_path, open_input
+
+    if "://" in path or format_of_path(path, reading=True) in ("hdf5", "zarr"):
+        return checkpoint.open(path)
+    from .inspection.foreign import InputBlocks
+
+    return InputBlocks(open_input(path))
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
     from .inspection.diff import diff
 
-    with checkpoint.open(args.a) as a, checkpoint.open(args.b) as b:
+    with _diff_side(args.a) as a, _diff_side(args.b) as b:
         report = diff(a, b)
     if args.json:
         _print_json({"a": str(args.a), "b": str(args.b), **report.to_json()})
@@ -327,8 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_verify)
 
-    p = add("diff", "Compare two checkpoints; exit 0 only when they are identical.",
-            "lean-store diff before.h5 after.h5")
+    p = add("diff", "Compare two checkpoints, or a checkpoint and any file 'convert' reads "
+            "(safetensors, a Hugging Face model directory, .pt); exit 0 only when identical.",
+            "lean-store diff model.safetensors model.h5")
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -21,6 +21,7 @@ import numpy as np
 from ..checkpoint import Checkpoint
 from ..formats import BinaryFormat, ComplexFormat, ExponentFormat, ScalarFormat
 from ..layout import Difference
+from .foreign import InputBlocks
 from .reading import DEFAULT_BLOCK_BYTES, block_unit, decoder, iter_words
 
 
@@ -142,7 +143,8 @@ def _compare_block(
 
 
 def tensor_diff(
-    a: Checkpoint, b: Checkpoint, name: str, *, block_bytes: int = DEFAULT_BLOCK_BYTES
+    a: Checkpoint | InputBlocks, b: Checkpoint | InputBlocks, name: str, *,
+    block_bytes: int = DEFAULT_BLOCK_BYTES
 ) -> TensorDiff:
     """Compare tensor ``name`` of ``a`` and ``b`` block by block (both digests are verified)."""
     ea, eb = a.layout[name], b.layout[name]
@@ -163,8 +165,10 @@ def tensor_diff(
     return result
 
 
-def diff(a: Checkpoint, b: Checkpoint, *, block_bytes: int = DEFAULT_BLOCK_BYTES) -> DiffReport:
-    """Compare checkpoint ``b`` against ``a`` (``a`` is the expected side of layout diffs)."""
+def diff(a: Checkpoint | InputBlocks, b: Checkpoint | InputBlocks, *,
+         block_bytes: int = DEFAULT_BLOCK_BYTES) -> DiffReport:
+    """Compare checkpoint ``b`` against ``a`` (``a`` is the expected side of layout diffs);
+    either may be a file of another format (:class:`.foreign.InputBlocks`)."""
     report = DiffReport(layout=b.layout.diff(a.layout))
     for entry in a.layout:
         if entry.name in b.layout:

@@ -14,6 +14,7 @@ from ..checkpoint import Checkpoint
 from ..chunking import Region, plan_chunks
 from ..formats import BinaryFormat, ComplexFormat, ExponentFormat, ScalarFormat
 from ..layout import Entry
+from .foreign import InputBlocks
 
 DEFAULT_BLOCK_BYTES = 8 << 20
 _LUT_MAX_WIDTH = 16
@@ -32,7 +33,7 @@ def block_unit(entry: Entry, block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[in
 
 
 def iter_words(
-    ck: Checkpoint, entry: Entry, block_bytes: int = DEFAULT_BLOCK_BYTES, *,
+    ck: Checkpoint | InputBlocks, entry: Entry, block_bytes: int = DEFAULT_BLOCK_BYTES, *,
     unit: tuple[int, ...] | None = None,
 ) -> Iterator[tuple[Region, np.ndarray]]:
     """Raw words of ``entry`` in row blocks (of ``unit``, or about ``block_bytes``), C order,

@@ -137,6 +137,25 @@ def test_diff_identical_and_different(capsys: pytest.CaptureFixture, tmp_path: P
     assert code == 2 and "does not exist" in err
 
 
+def test_diff_against_the_file_a_checkpoint_was_converted_from(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    source = {"w": np.array([[1.0, -2.0], [np.nan, 3.5]], np.float32),
+              "n": np.array([-5, 7, 2**40], np.int64)}
+    save_file(source, str(tmp_path / "m.safetensors"))
+    assert run(capsys, "convert", tmp_path / "m.safetensors", tmp_path / "m.h5")[0] == 0
+    code, out, _ = run(capsys, "diff", tmp_path / "m.safetensors", tmp_path / "m.h5")
+    assert code == 0 and "identical" in out
+    changed = dict(source, w=np.nextafter(source["w"], np.float32(np.inf)))
+    ls.save(changed, tmp_path / "changed.zarr")
+    code, out, _ = run(capsys, "diff", tmp_path / "changed.zarr", tmp_path / "m.safetensors",
+                       "--json")
+    doc = json.loads(out)
+    w = next(t for t in doc["tensors"] if t["name"] == "w")
+    assert code == 1 and w["differing"] == 3 and w["max_ulp"] == 1  # NaN stays NaN
+
+
 def test_convert_and_refusal(capsys: pytest.CaptureFixture, tmp_path: Path, ckpt: Path) -> None:
     code, _, err = run(capsys, "convert", ckpt, tmp_path / "a.zarr")
     assert code == 0 and "converted 5 tensors" in err
