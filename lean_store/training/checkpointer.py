@@ -296,6 +296,15 @@ class Checkpointer:
         except RuntimeError:  # the interpreter is shutting down: no new threads
             remove_path(dead)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, pickling for a spawned process) uses the same directory
+        and settings; the removals of pruned steps still running belong to this object (their
+        thread cannot be copied): the copy starts with none."""
+        state = dict(self.__dict__)
+        state["_deleter"] = None
+        state["_deleting"] = {}
+        return state
+
     def finish_deletions(self) -> None:
         """Wait until the files of every step this Checkpointer dropped are removed."""
         for future in list(self._deleting.values()):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -78,6 +80,24 @@ def test_a_damaged_latest_step_names_the_older_ones(tmp_path, backend):
     assert ck.restore(step=1, model=fresh, optimizer=fresh_opt).step == 1
     ck.save(2, model=fresh, optimizer=fresh_opt, overwrite=True)
     assert ck.restore(model=fresh).step == 2 and ls.verify(ck.path(2)).ok
+
+
+def test_a_checkpointer_that_pruned_can_be_copied_and_pickled(tmp_path):
+    """After its first prune a Checkpointer holds the thread that removes dropped steps: a
+    trainer holding it could no longer be deep-copied or pickled for a spawned process
+    ("cannot pickle '_queue.SimpleQueue' object"). A copy uses the same directory and
+    settings, without the original's removals in flight."""
+    model = torch.nn.Linear(3, 2)
+    run = ls.Checkpointer(tmp_path / "run", keep_last=1, backend="hdf5")
+    run.save(1, model=model)
+    run.save(2, model=model)  # prunes step 1 on its thread
+    copied = copy.deepcopy(run)
+    unpickled = pickle.loads(pickle.dumps(run))
+    unpickled.save(3, model=model)
+    assert copied.steps() == unpickled.steps() == run.steps() == [3]
+    for each in (run, copied, unpickled):
+        each.finish_deletions()
+    assert sorted(os.listdir(tmp_path / "run")) == ["step_0000000003.h5"]
 
 
 def test_unbounded_and_bad_arguments(tmp_path):
