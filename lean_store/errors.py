@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Any
 
 MAX_LISTED = 20  # problems one error message names; the rest are counted
 
 
 class CheckpointError(Exception):
     """Base class of every error lean_store raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled whole (an error raised in a DataLoader worker or a process pool reaches the
+        parent as it was raised): rebuilt from its arguments and attributes without calling
+        ``__init__`` again, which takes other arguments than the message it made."""
+        return (_rebuilt, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuilt(cls: type[CheckpointError], args: tuple[Any, ...],
+             state: dict[str, Any]) -> CheckpointError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class FormatError(CheckpointError):
@@ -92,6 +107,9 @@ class SaveIOError(CheckpointError, OSError):
 
     def __str__(self) -> str:
         return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # an OSError: its own constructor rebuilds it
+        return (type(self), (self.message, self.errno, self.filename))
 
 
 class TensorNotFoundError(CheckpointError, KeyError):
