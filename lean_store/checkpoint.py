@@ -184,7 +184,8 @@ class Checkpoint(Mapping[str, TensorHandle]):
         self._closed = False
         # where a pickled handle opens it again: the path as meant now (the working directory
         # may change), or None for a store or file object
-        self._reopen_at = at_call_time(path) if isinstance(path, (str, os.PathLike)) else None
+        self._reopen_at = at_call_time(os.fsdecode(path)) if isinstance(
+            path, (str, bytes, os.PathLike)) else None
         self._storage_options = storage_options
         self._pool: ThreadPoolExecutor | None = None  # checks chunks while reading ahead
         for attempt in range(OPEN_ATTEMPTS):  # a save replaced the path while it was opened

@@ -182,10 +182,10 @@ def _load(target: Any, path: Any, process_group: Any, strict: bool, verify: bool
             for name in names:
                 install_piece(ck, by_name[name], stored_boxes(ck, name), block_bytes, kept)
                 result.loaded.append(name)
-            for name, owner in handed.items():  # a module's extra state, handed to it
-                if name in by_name and name in ck.layout:
-                    from ..sources.module_state import hand_over
+            if handed:  # a module's extra state, handed to it
+                from ..sources.module_state import hand_over
 
+                for name, owner in handed.items():
                     hand_over(owner, name, by_name[name].local)
     finally:
         if ck is not None:

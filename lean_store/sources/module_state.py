@@ -27,11 +27,6 @@ from .module_names import canonical_name
 EXTRA_STATE = "_extra_state"
 
 
-def is_extra_state(name: str) -> bool:
-    """True for a name torch gives a module's extra state (``<prefix>._extra_state``)."""
-    return name.rsplit(".", 1)[-1] == EXTRA_STATE
-
-
 def _overrides(module: torch.nn.Module, method: str) -> bool:
     return getattr(type(module), method, None) is not getattr(torch.nn.Module, method)
 
