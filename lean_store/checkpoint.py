@@ -858,12 +858,14 @@ def _state_of(
     own_names: dict[str, str] = {}  # a stored spelling -> the name ``like`` gives it
     if like is not None:
         like_layout = tensor_source(like).layout
+        extra = _extra_state_names(like, like_layout)
         devices = _devices_of(like)
         spelling = spelled_as(like_layout.names(), ck.layout.names()) if is_module(like) \
             else {}  # see respelled_layout
         like_layout = respelled_layout(like_layout, spelling)
-        if is_module(like):  # its extra state as it was saved (sources/module_state.py)
-            like_layout = _stored_extra_state(like, like_layout, spelling, ck.layout)
+        if extra:  # a module's extra state as it was saved (sources/module_state.py)
+            like_layout = _stored_extra_state(like_layout, {spelling.get(n, n) for n in extra},
+                                              ck.layout)
         devices = respelled(devices, spelling)
         casts = respelled(casts, spelling)
         own_names = {stored: name for name, stored in spelling.items()}
@@ -892,14 +894,19 @@ def _state_of(
     return respelled(out, own_names) if own_names else out
 
 
-def _stored_extra_state(module: Any, layout: Layout, spelling: Mapping[str, str],
-                        stored: Layout) -> Layout:
-    """``layout`` (``module``'s) with the stored shape and format of each extra-state entry
-    the checkpoint holds: extra state is returned as it was saved, as torch would hand it to
-    ``set_extra_state``."""
+def _extra_state_names(like: Any, layout: Layout) -> set[str]:
+    """The entries of ``layout`` (``like``'s) that are a module's extra state."""
+    if not is_module(like):
+        return set()
     from .sources.torch_source import extra_state_names
 
-    names = {spelling.get(n, n) for n in extra_state_names(module)}
+    return extra_state_names(like, layout)
+
+
+def _stored_extra_state(layout: Layout, names: set[str], stored: Layout) -> Layout:
+    """``layout`` with the stored shape and format of each extra-state entry (``names``) the
+    checkpoint holds: extra state is returned as it was saved, as torch would hand it to
+    ``set_extra_state``."""
     if not any(n in stored for n in names):
         return layout
     return Layout.from_specs([

@@ -203,8 +203,9 @@ def _diff_side(path: str) -> Any:
     Face sharded checkpoint, torch, TorchLean), for ``diff``."""
     from . import checkpoint
     from .interop.convert import format_of_path, open_input
+    from .stores.commit import is_url
 
-    if "://" in path or format_of_path(path, reading=True) in ("hdf5", "zarr"):
+    if is_url(path) or format_of_path(path, reading=True) in ("hdf5", "zarr"):
         return checkpoint.open(path)
     from .inspection.foreign import InputBlocks
 

@@ -95,8 +95,9 @@ def overlap_refusal(name: str) -> str:
             "checkpoint's values; load into a tensor of its own (view.clone())")
 
 
-def adopt_stored(targets: Mapping[str, TargetTensor], stored: Layout) -> None:
-    """Each target that takes its stored entry adopts it, where ``stored`` has its name."""
+def adopt_stored(targets: Mapping[str, TargetTensor], stored: Layout, prefix: str = "") -> None:
+    """Each target that takes its stored entry adopts it, where ``stored`` has its name
+    (``prefix`` + name: a training checkpoint's ``model/``)."""
     for name, target in targets.items():
-        if target.takes_stored_entry and name in stored:
-            target.adopt(stored[name])
+        if target.takes_stored_entry and prefix + name in stored:
+            target.adopt(stored[prefix + name])

@@ -355,8 +355,8 @@ def prepare(
             if kind in _NUMBER_FORMATS:
                 expected_specs.append((tname, (), get(_NUMBER_FORMATS[kind])))
             elif kind == "tree":  # its tensors as the file has them, all under its own name
-                tree = trees.get(name, {}).get(key) if isinstance(trees.get(name), dict) \
-                    else None
+                of_param = trees.get(name)
+                tree = of_param.get(key) if isinstance(of_param, dict) else None
                 if tree is None:
                     diffs.append(Difference("missing", tname, "its state tree", None))
                     continue

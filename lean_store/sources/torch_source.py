@@ -374,9 +374,10 @@ def torch_targets(obj: Any) -> dict[str, TargetTensor]:
     the module's own memory is refused."""
     state = state_dict_of(obj)
     check_entries(state)
-    extra = owners_in(unwrapped(obj), state)
-    if isinstance(obj, torch.nn.Module):
-        check_own_memory(unwrapped(obj), dict(state), extra)
+    module = unwrapped(obj)
+    extra = owners_in(module, state)
+    if isinstance(module, torch.nn.Module):
+        check_own_memory(module, dict(state), extra)
     layout = Layout.from_specs([(n, tuple(v.shape), _entry_format(n, v)) for n, v in state.items()])
     targets: dict[str, TargetTensor] = {}
     for entry in layout:
@@ -429,9 +430,9 @@ class ExtraStateTarget(TargetTensor):
         hand_over(self._owner, self.entry.name, value)
 
 
-def extra_state_names(obj: Any) -> set[str]:
-    """The names of the extra-state entries of ``obj``'s state (lean_store's spelling)."""
-    return set(owners_in(unwrapped(obj), state_dict_of(obj)))
+def extra_state_names(obj: Any, names: Any) -> set[str]:
+    """Which of ``names`` (``obj``'s state's, lean_store's spelling) are extra state."""
+    return set(owners_in(unwrapped(obj), names))
 
 
 def new_tensor(bits: np.ndarray, fmt: ScalarFormat, shape: tuple[int, ...], device: Any) -> Any:

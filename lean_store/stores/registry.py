@@ -29,6 +29,11 @@ def backend_record(name: str) -> Backend:
         raise CheckpointError(f"unknown backend {name!r}; use one of {BACKENDS}") from None
 
 
+def _is_zarr_store(obj: Any) -> bool:
+    zarr = sys.modules.get("zarr")  # a zarr store object exists only once zarr is imported
+    return zarr is not None and isinstance(obj, zarr.abc.store.Store)
+
+
 def checkpoint_path(path: Any, *, stores: bool = False) -> Any:
     """``path`` as the stores take it: a ``str`` or ``os.PathLike`` as it is, ``bytes`` (or a
     PathLike of bytes) decoded as the file system names it (``os.fsdecode``), and with
@@ -38,8 +43,7 @@ def checkpoint_path(path: Any, *, stores: bool = False) -> Any:
     if isinstance(path, (str, bytes, os.PathLike)):
         text = os.fspath(path)
         return os.fsdecode(text) if isinstance(text, bytes) else path
-    zarr = sys.modules.get("zarr")  # a zarr store object exists only once zarr is imported
-    if stores and zarr is not None and isinstance(path, zarr.abc.store.Store):
+    if stores and _is_zarr_store(path):
         return path
     if stores and callable(getattr(path, "read", None)) and callable(getattr(path, "seek",
                                                                              None)):
@@ -67,8 +71,7 @@ def backend_for(path: str | os.PathLike, backend: str | None = None) -> str:
 def detect_backend(path: str | os.PathLike) -> str:
     """The backend of an existing checkpoint, from what is on disk."""
     if not isinstance(path, (str, os.PathLike)):
-        zarr = sys.modules.get("zarr")  # a zarr store object exists only once zarr is imported
-        if zarr is not None and isinstance(path, zarr.abc.store.Store):
+        if _is_zarr_store(path):
             return ZARR.name  # LocalStore, ZipStore, MemoryStore, FsspecStore
         return HDF5.name  # a binary file object (checkpoint_path): h5py reads HDF5 through it
     if is_url(path):

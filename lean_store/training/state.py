@@ -23,6 +23,7 @@ from ..checkpoint import Checkpoint, as_values, is_module
 from ..errors import CheckpointError, IntegrityError
 from ..gc_pause import collection_paused
 from ..layout import Difference, Layout, layout_error
+from ..sources.base import adopt_stored
 from ..sources.module_names import respelled, spelled_as, spelled_under
 from ..statetree import decode, encode, tensor_names
 
@@ -376,9 +377,7 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
     # named as the checkpoint spells them (a wrapper's names: sources/module_names.py)
     if is_module(model):
         targets = respelled(targets, spelled_under(targets, ck.layout.names(), "model/"))
-    for name, target in targets.items():  # a module's extra state: as it was saved
-        if target.takes_stored_entry and f"model/{name}" in ck.layout:
-            target.adopt(ck.layout[f"model/{name}"])
+    adopt_stored(targets, ck.layout, "model/")  # a module's extra state: as it was saved
     expected = Layout.from_specs(
         [(f"model/{n}", t.entry.shape, t.entry.format) for n, t in targets.items()]
     )
