@@ -84,13 +84,20 @@ def hand_over(owner: torch.nn.Module, name: str, value: Any) -> None:
             f"({type(exc).__name__}: {exc}); the module's other tensors were loaded") from exc
 
 
+def is_uninitialized(value: Any) -> bool:
+    """A lazy module's parameter or buffer before its first forward pass or load (no shape,
+    no data: ``torch.nn.parameter.UninitializedParameter`` / ``UninitializedBuffer``)."""
+    return isinstance(value, torch.Tensor) and torch.nn.parameter.is_lazy(value)
+
+
 def check_own_memory(module: torch.nn.Module, state: dict[str, Any],
                      extra: dict[str, torch.nn.Module]) -> None:
     """Refuse a load into ``module`` when an entry of its ``state`` (its state_dict, not its
     extra state) is neither a parameter's nor a buffer's memory: a state-dict hook made it,
     and words copied into it would not reach the module."""
     own = {t.untyped_storage().data_ptr()
-           for t in (*module.parameters(), *module.buffers()) if t.numel()}
+           for t in (*module.parameters(), *module.buffers())
+           if not is_uninitialized(t) and t.numel()}
     made = [name for name, value in state.items()
             if name not in extra and isinstance(value, torch.Tensor) and value.numel()
             and value.untyped_storage().data_ptr() not in own]

@@ -24,6 +24,7 @@ from ..formats import ScalarFormat, get
 from ..layout import Difference, Layout, layout_error
 from ..statetree import decode, encode, tensor_names
 from .module_names import canonical_names
+from .module_state import is_uninitialized
 from .torch_source import format_of_dtype, unwrapped
 
 SCHEDULED = ("lr", "initial_lr")
@@ -174,13 +175,14 @@ def describe(
 # ---------------------------------------------------------------------------------- loading
 
 
-def _rule(optimizer: torch.optim.Optimizer, group: Mapping[str, Any],
-          param: torch.Tensor) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]] | None:
-    """The state torch's own optimizers create for ``param`` on their first step."""
+def _rule(optimizer: torch.optim.Optimizer, group: Mapping[str, Any], param: torch.Tensor,
+          shape: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]] | None:
+    """The state torch's own optimizers create for ``param`` (of ``shape``) on their first
+    step."""
     from torch.optim.optimizer import _get_scalar_dtype
 
     cls = type(optimizer)
-    shape, dtype = tuple(param.shape), param.dtype
+    dtype = param.dtype
     step = ("tensor", (), _get_scalar_dtype(is_fused=group.get("fused")))
     moment = ("tensor", shape, dtype)
     if cls in (torch.optim.Adam, torch.optim.AdamW):
@@ -262,6 +264,7 @@ def prepare(
     params = _params(optimizer)
     by_name = dict(zip(names, params))
     _check_params(meta.get("params"), names, params, diffs)
+    shapes = _shapes(meta["params"], names, params)
     groups = meta["groups"]
     live_groups = optimizer.param_groups
     if len(groups) != len(live_groups):
@@ -335,7 +338,7 @@ def prepare(
                           v.dtype if isinstance(v, torch.Tensor) else None)
                       for k, v in live_state[name].items()}
         else:
-            expect = _rule(optimizer, group_of[name], param)
+            expect = _rule(optimizer, group_of[name], param, shapes[name])
             if not got:
                 continue  # no state for this parameter (it never had a gradient)
             if expect is None:  # an optimizer lean_store has no rule for: trust the file
@@ -423,11 +426,31 @@ def _check_params(meta_params: Any, names: list[str], params: list[torch.Tensor]
         item = meta_params[i] if isinstance(meta_params[i], dict) else {}
         if item.get("name") != name:
             diffs.append(Difference("parameter name", f"parameter {i}", name, item.get("name")))
-        if item.get("shape") != list(p.shape):
+        if is_uninitialized(p):
+            pass  # a lazy module's: it takes the shape the model's load gives it
+        elif item.get("shape") != list(p.shape):
             diffs.append(Difference("shape", name, list(p.shape), item.get("shape")))
         if item.get("dtype") != format_of_dtype(p.dtype).tag:
             tag = format_of_dtype(p.dtype).tag
             diffs.append(Difference("format", name, tag, item.get("dtype")))
+
+
+def _shapes(meta_params: list[Any], names: list[str], params: list[torch.Tensor]
+            ) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape; a lazy module's uninitialized parameter has none yet and takes
+    the stored one (which the model's load checks and gives it)."""
+    out = {}
+    for name, p, item in zip(names, params, meta_params):
+        if not is_uninitialized(p):
+            out[name] = tuple(p.shape)
+            continue
+        shape = item.get("shape") if isinstance(item, dict) else None
+        if not (isinstance(shape, list)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                        for n in shape)):
+            raise CheckpointError(f"the checkpoint's optimizer shape of {name!r} is malformed")
+        out[name] = tuple(shape)
+    return out
 
 
 def _unique(diffs: list[Difference]) -> list[Difference]:

@@ -17,7 +17,13 @@ from ..layout import Entry, Layout
 from ..stream import CopyEngine
 from .base import SourceTensor, TargetTensor, TensorSource, elements_overlap, overlap_refusal
 from .module_names import canonical_state
-from .module_state import check_own_memory, check_settable, hand_over, owners_in
+from .module_state import (
+    check_own_memory,
+    check_settable,
+    hand_over,
+    is_uninitialized,
+    owners_in,
+)
 from .numpy_source import ArraySourceTensor, ArrayTarget, format_of_value, masked_entry
 
 _TAGS: dict[Any, str] = {
@@ -197,6 +203,13 @@ def _is_quantized_state(state: Mapping[str, Any]) -> bool:
 
 def unsupported_entry(name: str, value: Any, state: Mapping[str, Any]) -> str | None:
     """Why state entry ``name`` cannot be stored as a tensor, and what to do; None if it can."""
+    if is_uninitialized(value):
+        return (
+            f"state entry {name!r} is an uninitialized parameter or buffer of a lazy module "
+            "(torch.nn.LazyLinear and the like): it has no shape and no data yet. Run a forward "
+            "pass with a sample batch first, or load a checkpoint into the module with "
+            "lean_store.load, which materializes it as torch's load_state_dict does"
+        )
     if isinstance(value, torch.Tensor):
         if value.is_quantized:
             return f"state entry {name!r} is a quantized tensor ({value.dtype}); {_QUANTIZED_HINT}"
@@ -373,16 +386,20 @@ def torch_targets(obj: Any) -> dict[str, TargetTensor]:
     to its ``set_extra_state`` after the load (:mod:`.module_state`), and an entry that is not
     the module's own memory is refused."""
     state = state_dict_of(obj)
-    check_entries(state)
+    lazy = {n for n, v in state.items() if is_uninitialized(v)}
+    check_entries({n: v for n, v in state.items() if n not in lazy})
     module = unwrapped(obj)
     extra = owners_in(module, state)
     if isinstance(module, torch.nn.Module):
-        check_own_memory(module, dict(state), extra)
-    layout = Layout.from_specs([(n, tuple(v.shape), _entry_format(n, v)) for n, v in state.items()])
+        check_own_memory(module, {n: v for n, v in state.items() if n not in lazy}, extra)
+    layout = Layout.from_specs([(n, () if n in lazy else tuple(v.shape), _entry_format(n, v))
+                                for n, v in state.items()])
     targets: dict[str, TargetTensor] = {}
     for entry in layout:
         value = state[entry.name]
-        if entry.name in extra:
+        if entry.name in lazy:
+            targets[entry.name] = UninitializedTarget(entry, value)
+        elif entry.name in extra:
             targets[entry.name] = ExtraStateTarget(entry, extra[entry.name],
                                                    getattr(value, "device", None))
         elif isinstance(value, torch.Tensor):
@@ -428,6 +445,36 @@ class ExtraStateTarget(TargetTensor):
         installed)."""
         value = new_tensor(self._buffer(), self.entry.format, self.entry.shape, self._device)
         hand_over(self._owner, self.entry.name, value)
+
+
+class UninitializedTarget(TargetTensor):
+    """A lazy module's uninitialized parameter or buffer: it takes the stored shape (its own
+    dtype and device stay, checked like any target's) and is materialized with that shape
+    just before its words are installed, as torch's ``load_state_dict`` materializes it."""
+
+    takes_stored_entry = True
+
+    def __init__(self, entry: Entry, value: Any) -> None:
+        self.entry = entry
+        self._value = value
+        self._target: TorchTarget | None = None
+
+    def adopt(self, entry: Entry) -> None:
+        """The stored entry's shape; the format stays the parameter's own."""
+        self.entry = Entry(self.entry.index, self.entry.name, entry.shape, self.entry.format)
+
+    def _materialized(self) -> TorchTarget:
+        if self._target is None:
+            if is_uninitialized(self._value):
+                self._value.materialize(self.entry.shape)
+            self._target = TorchTarget(self.entry, self._value)
+        return self._target
+
+    def write(self, region: Region, bits: np.ndarray) -> None:
+        self._materialized().write(region, bits)
+
+    def finish(self) -> None:
+        self._materialized()  # an empty tensor has no words to write
 
 
 def extra_state_names(obj: Any, names: Any) -> set[str]:
