@@ -3,8 +3,11 @@
 Exit status: 0 success (for ``verify`` and ``diff``: no problem, identical); 1 a problem was
 found in the data (corrupt or incomplete checkpoint, checksum mismatch, differences); 2 a usage
 or other error (bad arguments, missing file, a path that is not a regular file or directory, a
-format the target cannot hold), and also any unexpected failure; 130 interrupted. Errors are
-one clear line on stderr, never a traceback (set ``LEAN_STORE_DEBUG=1`` to see one).
+format the target cannot hold), and also any unexpected failure; 130 interrupted; 141 (128 +
+SIGPIPE, what a shell reports for a command a closed pipe stopped) when the reader of the
+output went away (``lean-store diff a b | head``), quietly, so that a cut-off ``diff`` or
+``verify`` never reads as "differ" or "corrupt". Errors are one clear line on stderr, never a
+traceback (set ``LEAN_STORE_DEBUG=1`` to see one).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
     from .stores.base import StorageDescription
 
 EXIT_OK, EXIT_PROBLEM, EXIT_ERROR = 0, 1, 2
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE
 MAX_PRINTED = 50  # problems ``verify`` prints one per line; --json lists every one
 
 EPILOG = """\
@@ -51,9 +55,15 @@ class UsageError(Exception):
 def _console(stream: Any = None) -> Any:
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits with status 1 here, which for diff and verify means "differ" or
+            # "corrupt": handed to main instead, like any other write to a closed pipe
+            raise BrokenPipeError
+
     stream = stream or sys.stdout
     width = None if stream.isatty() else 200
-    return Console(file=stream, width=width, highlight=False, soft_wrap=False)
+    return _Console(file=stream, width=width, highlight=False, soft_wrap=False)
 
 
 def _print_json(obj: Any) -> None:
@@ -390,7 +400,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_CLOSED_PIPE
     except UsageError as exc:
         print(f"lean-store {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -414,6 +429,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("LEAN_STORE_DEBUG"):
             traceback.print_exc()
         return EXIT_ERROR
+
+
+def _stdout_to_devnull() -> None:
+    """Send what is still buffered for the closed pipe nowhere, so that the interpreter's
+    exit does not fail on it (the recipe of Python's signal module documentation)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (a test's StringIO)
+        pass
 
 
 def _one_line(exc: BaseException, limit: int = 500) -> str:

@@ -228,3 +228,27 @@ def test_stats_mean_of_huge_finite_values_is_finite(capsys: pytest.CaptureFixtur
     stats = {t["name"]: t["stats"] for t in json.loads(out)["tensors"]}
     assert code == 0 and stats["x"]["mean"] == 6e307 and stats["x"]["nan"] == 1
     assert stats["e"]["count"] == 0 and stats["e"]["mean"] is None
+
+
+@pytest.mark.parametrize("argv", [
+    ["diff", "{a}", "{b}"], ["diff", "{a}", "{b}", "--json"], ["verify", "{a}"],
+    ["verify", "{a}", "--json"], ["inspect", "{a}"], ["inspect", "{a}", "--json"],
+])
+def test_a_closed_output_pipe_exits_141_quietly(tmp_path: Path, argv: list[str]) -> None:
+    """``lean-store diff a b | head`` with the reader gone: before, rich's console exited 1
+    ("they differ", for identical checkpoints) and plain writes 2 with "Broken pipe"; now
+    every command exits 141 (128 + SIGPIPE, what the shell reports for such a command) and
+    prints nothing."""
+    state = {f"t{i}": np.arange(50, dtype=np.float32) + i for i in range(400)}
+    ls.save(state, tmp_path / "a.h5")
+    ls.save(state, tmp_path / "b.zarr")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first byte
+    try:
+        args = [a.format(a=tmp_path / "a.h5", b=tmp_path / "b.zarr") for a in argv]
+        result = subprocess.run([sys.executable, "-m", "lean_store", *args], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141, result.stderr
+    assert result.stderr == ""
