@@ -15,7 +15,9 @@ zarr               .zarr                       lean_store; every format
 safetensors        .safetensors                standard dtypes up to 8 bytes, complex64; as
                    .safetensors.index.json     input also a Hugging Face sharded checkpoint
                                                (its index, or the directory holding it)
-torch              .pt .pth .bin               read with ``torch.load(weights_only=True)``
+torch              .pt .pth .bin               read with ``torch.load(weights_only=True)``; as
+                   .bin.index.json             input also a Hugging Face sharded checkpoint
+                                               of ``.bin`` files (its index, or directory)
 torchlean-sf32     .tlsf32 .sf32               TLSF32B: float32 tensors only
 torchlean-json     .json                       JSON state: one TorchLean format tag per file
 torchlean-adam     .tladam                     TLADAMF optimizer state (versions 2-4)
@@ -66,10 +68,11 @@ def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading
     if reading:
         if not p.exists():
             raise CheckpointError(f"no file at {p}: the path does not exist")
-        from .safetensors_index import index_of
+        from .sharded_index import index_format, index_of
 
-        if index_of(p) is not None:  # a Hugging Face sharded checkpoint (or its directory)
-            return "safetensors"
+        index = index_of(p)
+        if index is not None:  # a Hugging Face sharded checkpoint (or its directory)
+            return index_format(index)
         if p.is_dir():
             return "zarr"
         from ..stores.hdf5.checks import hdf5_superblock_offset
@@ -197,13 +200,22 @@ def open_input(path: str | os.PathLike, fmt: str | None = None) -> Input:
         extra = {k: ck.root_attrs[k] for k in CARRIED_ATTRS if k in ck.root_attrs}
         return Input(fmt, _CheckpointSource(ck), kind=ck.kind, extra=extra, closer=ck.close,
                      read_words=lambda entry: ck.read_bits(entry.name))
-    if fmt == "safetensors":
-        from .safetensors_index import ShardedSafetensorsSource, index_of
-        from .safetensors_io import SafetensorsSource
+    if fmt in ("safetensors", "torch"):
+        from .sharded_index import ShardedIndexSource, index_of
 
         index = index_of(path)
-        st: SafetensorsSource | ShardedSafetensorsSource = (
-            SafetensorsSource(path) if index is None else ShardedSafetensorsSource(index))
+        if index is not None:
+            sharded = ShardedIndexSource(index)
+            if sharded.format != fmt:
+                sharded.close()
+                raise CheckpointError(f"{index} is an index of {sharded.format} shards, "
+                                      f"not of {fmt} files")
+            return Input(fmt, sharded, extra=sharded.extra, closer=sharded.close,
+                         read_words=sharded.words)
+    if fmt == "safetensors":
+        from .safetensors_io import SafetensorsSource
+
+        st = SafetensorsSource(path)
         return Input(fmt, st, extra=st.extra, closer=st.close, read_words=st.words)
     if fmt == "torch":
         from .torch_io import TorchFileSource

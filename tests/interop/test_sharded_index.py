@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 import lean_store as ls
 from lean_store.cli import main
-from lean_store.interop import safetensors_index
+from lean_store.interop import sharded_index
 from lean_store.interop.convert import convert
 
 SHARDS = {
@@ -121,7 +121,7 @@ def test_malformed_and_ambiguous_indexes_are_refused(tmp_path, monkeypatch) -> N
     with pytest.raises(ls.IntegrityError, match="not a valid JSON"):
         convert(index, tmp_path / "out.h5")
     index.write_text(json.dumps({"weight_map": {"x": "a.safetensors"}}))
-    monkeypatch.setattr(safetensors_index, "MAX_INDEX_BYTES", 16)
+    monkeypatch.setattr(sharded_index, "MAX_INDEX_BYTES", 16)
     with pytest.raises(ls.UnsafeFileError, match="too large"):
         convert(index, tmp_path / "out.h5")
     monkeypatch.undo()
