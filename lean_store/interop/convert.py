@@ -55,6 +55,7 @@ SUFFIXES = {
 # Root attributes that carry what another format needs for a byte-identical way back.
 CARRIED_ATTRS = (
     "safetensors_metadata", "torch_metadata", "torch_archive", "torch_container", "torchlean_adam",
+    "lightning_format_version", "lightning",  # a checkpoint dict's plain data (checkpoint_dict)
 )
 
 
@@ -242,6 +243,10 @@ def refusals(inp: Input, fmt: str) -> list[str]:
     from . import torchlean_bridge as tl
 
     layout = inp.layout
+    if "lightning" in inp.extra and fmt not in ("hdf5", "zarr", "torch"):
+        return [f"the input is a checkpoint dict (plain data such as epochs or hyperparameters "
+                f"besides its tensors), which {fmt} cannot hold; convert it to .h5, .zarr or "
+                ".pt, or save its state dict alone"]
     if fmt == "safetensors":
         from .safetensors_io import unrepresentable
 
@@ -291,6 +296,10 @@ def write_output(
         metadata = json.loads(text) if isinstance(text, str) else DEFAULT_SAFETENSORS_METADATA
         with make_progress(progress, f"write {Path(path).name}", inp.layout.nbytes) as bar:
             write_safetensors(inp.source, path, metadata=metadata, progress=bar)
+    elif fmt == "torch" and "lightning" in inp.extra:
+        from .torch_io import write_torch_dict
+
+        write_torch_dict(inp.extra["lightning"], inp.layout, inp.read_words, path)
     elif fmt == "torch":
         from .torch_io import write_torch
 

@@ -57,6 +57,34 @@ TORCH_FILE = FileKind("a torch.save file", _looks_like_torch_save)
 
 def load_state_dict(path: str | os.PathLike) -> Any:
     """``torch.load(path, weights_only=True, map_location="cpu")``: a flat name -> tensor map."""
+    obj = load_object(path)
+    _check_flat(path, obj)
+    return obj
+
+
+def _check_flat(path: str | os.PathLike, obj: Any) -> None:
+    import torch
+
+    if not isinstance(obj, dict):
+        raise FormatError(f"{path}: holds a {type(obj).__name__}, not a state dict of tensors")
+    bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not torch.is_tensor(v)]
+    if bad:
+        raise FormatError(
+            f"{path}: not a flat state dict of tensors; entries that are not named tensors: "
+            f"{bad[:10]}{' ...' if len(bad) > 10 else ''}"
+        )
+
+
+def _is_flat(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, dict) and all(isinstance(k, str) and torch.is_tensor(v)
+                                         for k, v in obj.items())
+
+
+def load_object(path: str | os.PathLike) -> Any:
+    """``torch.load(path, weights_only=True, map_location="cpu")``, memory-mapped where the
+    file allows; anything it refuses is an :class:`IntegrityError`."""
     import torch
 
     try:
@@ -73,14 +101,6 @@ def load_state_dict(path: str | os.PathLike) -> Any:
             f"{path}: torch.load(weights_only=True) refused it ({type(exc).__name__}: {first}). "
             "lean_store never loads arbitrary pickles."
         ) from None
-    if not isinstance(obj, dict):
-        raise FormatError(f"{path}: holds a {type(obj).__name__}, not a state dict of tensors")
-    bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not torch.is_tensor(v)]
-    if bad:
-        raise FormatError(
-            f"{path}: not a flat state dict of tensors; entries that are not named tensors: "
-            f"{bad[:10]}{' ...' if len(bad) > 10 else ''}"
-        )
     return obj
 
 
@@ -96,7 +116,9 @@ def archive_name(path: str | os.PathLike) -> str | None:
 
 
 class TorchFileSource(TensorSource):
-    """The tensors of a torch state-dict file, in the file's order."""
+    """The tensors of a torch state-dict file, in the file's order; or of a checkpoint dict
+    (``{"model": ..., "optimizer": ..., "epoch": 3}``, a Lightning ``.ckpt``), named by key
+    path, with its plain data as the root attributes of :mod:`.checkpoint_dict`."""
 
     kind = "state"
 
@@ -104,13 +126,19 @@ class TorchFileSource(TensorSource):
         from ..sources.torch_source import TorchSource
 
         self.path = Path(path)
-        state = load_state_dict(path)
+        obj = load_object(path)
+        self.extra: dict[str, Any] = {}
+        if isinstance(obj, dict) and obj and not _is_flat(obj):
+            self._inner = self._checkpoint_dict(obj)
+            self.layout = self._inner.layout
+            return
+        _check_flat(path, obj)
+        state = obj
         try:
             self._inner = TorchSource(state)
         except CheckpointError as exc:
             raise FormatError(f"{path}: {exc}") from None
         self.layout = self._inner.layout
-        self.extra: dict[str, Any] = {}
         meta = getattr(state, "_metadata", None)
         if meta is not None:
             try:
@@ -121,6 +149,26 @@ class TorchFileSource(TensorSource):
         if archive is not None:
             self.extra["torch_archive"] = archive
         self.extra["torch_container"] = "OrderedDict" if isinstance(state, OrderedDict) else "dict"
+
+    def _checkpoint_dict(self, obj: dict[Any, Any]) -> TensorSource:
+        """A checkpoint dict: its tensors by key path, its plain data as JSON."""
+        from ..sources.torch_source import TorchSource
+        from .checkpoint_dict import (
+            LIGHTNING_FORMAT_VERSION,
+            META_ATTR,
+            VERSION_ATTR,
+            metadata_text,
+        )
+
+        tensors: dict[str, Any] = {}
+        try:
+            text = metadata_text(obj, tensors)
+            source = TorchSource(tensors)
+        except CheckpointError as exc:
+            raise FormatError(f"{self.path}: a checkpoint dict lean_store cannot store: {exc}"
+                              ) from None
+        self.extra = {VERSION_ATTR: LIGHTNING_FORMAT_VERSION, META_ATTR: text}
+        return source
 
     def tensors(self) -> Any:
         return self._inner.tensors()
@@ -138,6 +186,48 @@ def unrepresentable(layout: Layout) -> list[str]:
         for e in layout
         if dtype_of_format(e.format) is None
     ]
+
+
+def write_torch_dict(meta_text: str, layout: Layout, read_words: Any,
+                     path: str | os.PathLike) -> None:
+    """``torch.save`` the checkpoint dict whose plain data is ``meta_text`` (the root attribute
+    of :mod:`.checkpoint_dict`) and whose tensors are ``layout``'s, atomically, as
+    :func:`write_torch` saves a state dict."""
+    import torch
+
+    from ..checkpoint import as_values
+    from ..sources.torch_source import new_tensor
+    from ..statetree import decode
+
+    problems = unrepresentable(layout)
+    if problems:
+        raise FormatError(
+            "torch cannot hold these tensors exactly (lean_store never casts):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
+    try:
+        meta = json.loads(meta_text)
+    except ValueError as exc:
+        raise IntegrityError(f"the checkpoint dict's JSON is malformed ({exc})") from None
+    if not isinstance(meta, dict):
+        raise IntegrityError("the checkpoint dict's JSON is not an object")
+
+    def lookup(kind: str, name: str) -> Any:
+        if name not in layout:
+            raise IntegrityError(f"the checkpoint dict names tensor {name!r}, which is missing")
+        entry = layout[name]
+        words = np.array(read_words(entry))  # a copy the new value may own
+        if kind != "tensor":  # a numpy array or scalar, as the dict held it
+            values = as_values(words, entry.format)
+            return values[()] if kind == "scalar" else values
+        tensor = new_tensor(words, entry.format, entry.shape, None)
+        return torch.empty(entry.shape, dtype=tensor.dtype) if tensor.numel() == 0 else tensor
+
+    obj = {key: decode(value, lookup, "checkpoint dict") for key, value in meta.items()}
+    with Commit.local(path, directory=False, kind=TORCH_FILE) as commit:
+        with open(commit.work, "wb") as f:
+            torch.save(obj, f)
+        commit.commit()
 
 
 def write_torch(
@@ -198,6 +288,6 @@ def write_torch(
 
 
 __all__ = [
-    "TORCH_FILE", "TorchFileSource", "archive_name", "load_state_dict", "unrepresentable",
-    "write_torch",
+    "TORCH_FILE", "TorchFileSource", "archive_name", "load_object", "load_state_dict",
+    "unrepresentable", "write_torch", "write_torch_dict",
 ]

@@ -156,3 +156,30 @@ def test_a_plain_lean_store_file_is_not_read_as_a_lightning_checkpoint(tmp_path:
         CheckpointIO().load_checkpoint(tmp_path / "w.h5")
     with pytest.raises(ls.CheckpointError, match="unknown backend"):
         CheckpointIO(backend="pt")
+
+
+def test_a_torch_ckpt_converted_by_the_command_line_resumes_through_the_plugin(
+        tmp_path: Path) -> None:
+    """A run checkpointed by Lightning's own (torch.save) plugin moves to lean_store with
+    ``lean-store convert epoch=1-step=8.ckpt run.h5``, and the fit resumed from the converted
+    file through this plugin ends bit-identical to an uninterrupted one."""
+    from lean_store.cli import main
+
+    whole = Tiny(seed=1)
+    trainer(4, tmp_path / "whole").fit(whole, data())
+
+    first = Tiny(seed=1)
+    pl.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, deterministic=True,
+               enable_progress_bar=False, enable_model_summary=False,
+               callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "torch")],
+               default_root_dir=tmp_path / "torch").fit(first, data())
+    pt = tmp_path / "torch" / "epoch=1-step=8.ckpt"
+    assert not h5py.is_hdf5(pt)  # torch.save's zip
+    assert main(["convert", str(pt), str(tmp_path / "run.h5")]) == 0
+    assert ls.verify(tmp_path / "run.h5").ok
+
+    resumed = Tiny(seed=2)
+    t = trainer(4, tmp_path / "resumed")
+    t.fit(resumed, data(), ckpt_path=tmp_path / "run.h5")
+    assert t.current_epoch == 4 and t.global_step == 16
+    assert bits(resumed) == bits(whole)
