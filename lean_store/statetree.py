@@ -23,6 +23,9 @@ from .errors import CheckpointError, IntegrityError
 
 EXACT_INT = 1 << 53
 MAX_DEPTH = 64
+JSON_DEPTH = 3 * MAX_DEPTH + 16
+"""How deep the JSON text of a tree of at most MAX_DEPTH levels can nest (a ``$dict`` level is
+three: object, list of pairs, pair), with the few levels of the attribute around it."""
 _TAGS = ("$int", "$float", "$tuple", "$dict", "$array", "$scalar", "$tensor")
 
 

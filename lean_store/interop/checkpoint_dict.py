@@ -19,7 +19,8 @@ from typing import Any
 
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, IntegrityError
-from ..statetree import decode, encode, tensor_names
+from ..hardening import check_json_depth
+from ..statetree import JSON_DEPTH, decode, encode, tensor_names
 
 LIGHTNING_FORMAT_VERSION = 1
 VERSION_ATTR = "lightning_format_version"
@@ -68,6 +69,8 @@ def read_metadata(ck: Checkpoint) -> dict[str, Any]:
         raise IntegrityError(f"{ck.path}: Lightning format version {version} is newer than this "
                              f"lean_store (reads up to {LIGHTNING_FORMAT_VERSION})")
     text = attrs.get(META_ATTR)
+    if isinstance(text, str):
+        check_json_depth(text, f"{ck.path}: the {META_ATTR!r} attribute", JSON_DEPTH)
     try:
         meta = json.loads(text) if isinstance(text, str) else text
     except ValueError as exc:

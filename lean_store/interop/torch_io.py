@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, FormatError, IntegrityError
+from ..hardening import check_json_depth
 from ..layout import Layout
 from ..sources.base import TensorSource
 from ..stores.commit import Commit
@@ -197,7 +198,7 @@ def write_torch_dict(meta_text: str, layout: Layout, read_words: Any,
 
     from ..checkpoint import as_values
     from ..sources.torch_source import new_tensor
-    from ..statetree import decode
+    from ..statetree import JSON_DEPTH, decode
 
     problems = unrepresentable(layout)
     if problems:
@@ -205,6 +206,7 @@ def write_torch_dict(meta_text: str, layout: Layout, read_words: Any,
             "torch cannot hold these tensors exactly (lean_store never casts):\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
+    check_json_depth(meta_text, "the checkpoint dict's JSON", JSON_DEPTH)
     try:
         meta = json.loads(meta_text)
     except ValueError as exc:

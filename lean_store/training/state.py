@@ -22,10 +22,11 @@ from typing import Any
 from ..checkpoint import Checkpoint, as_values, is_module
 from ..errors import CheckpointError, IntegrityError
 from ..gc_pause import collection_paused
+from ..hardening import check_json_depth
 from ..layout import Difference, Layout, layout_error
 from ..sources.base import adopt_stored
 from ..sources.module_names import respelled, spelled_as, spelled_under
-from ..statetree import decode, encode, tensor_names
+from ..statetree import JSON_DEPTH, decode, encode, tensor_names
 
 TRAINING_FORMAT_VERSION = 1
 VERSION_ATTR = "training_format_version"
@@ -192,6 +193,7 @@ def _json(value: Any, where: Any) -> Any:
         return value
     if not isinstance(value, str) or len(value) > MAX_META_TEXT:
         raise IntegrityError(f"{where}: training metadata missing or absurdly long")
+    check_json_depth(value, f"{where}: training metadata", JSON_DEPTH)
     try:
         return json.loads(value)
     except ValueError as exc:

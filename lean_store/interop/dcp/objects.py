@@ -18,7 +18,8 @@ import json
 from typing import Any
 
 from ...errors import CheckpointError, IntegrityError
-from ...statetree import decode, encode
+from ...hardening import check_json_depth
+from ...statetree import JSON_DEPTH, decode, encode
 
 ROOT_ATTR = "dcp"  # root attribute: {"version": 1, "objects": {key: record}}
 VERSION = 1
@@ -50,6 +51,8 @@ def parse_objects(text: Any, where: str) -> dict[str, dict]:
     """The ``dcp`` root attribute, checked: key -> record."""
     if text is None:
         return {}
+    if isinstance(text, str) and len(text) <= MAX_TEXT:
+        check_json_depth(text, f"{where}: the {ROOT_ATTR} attribute", JSON_DEPTH)
     try:
         meta = json.loads(text) if isinstance(text, str) and len(text) <= MAX_TEXT else text
     except ValueError as exc:
