@@ -220,3 +220,21 @@ def test_written_files_start_their_writeback_and_linked_ones_do_not(scratch, mon
     else:
         assert len(started) == stats.written_files and sum(started) == stats.written_bytes
     _check_exact(path, model)
+
+
+def test_a_base_document_nested_absurdly_deep_is_not_parsed_and_links_nothing(scratch):
+    """The base's root has no copy of an array and its own zarr.json nests 200,000 levels
+    deep: the step writes that array whole (before, the save raised Python's RecursionError)."""
+    model = frozen_backbone_model()
+    ls.Checkpointer(scratch, backend="zarr", incremental=True).save(0, model=model, rng=False)
+    ck = ls.Checkpointer(scratch, backend="zarr", incremental=True)
+    root_file = ck.path(0) / "zarr.json"
+    root = json.loads(root_file.read_text())
+    del root["consolidated_metadata"]["metadata"][_node("0.weight")]
+    root_file.write_text(json.dumps(root, indent=2))
+    (ck.path(0) / _node("0.weight") / "zarr.json").write_text("[" * 200_000 + "]" * 200_000)
+    _train(model)
+    path = ck.save(1, model=model, rng=False)
+    assert _chunk(path, "0.weight").stat().st_nlink == 1  # written, not linked
+    assert _chunk(path, "0.bias").stat().st_nlink == 2  # the bias still linked
+    _check_exact(path, model)

@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, UnsafeFileError
 from ...fork_safe import ForkSafeLock
-from ...hardening import MAX_METADATA_BYTES, root_document_limit
+from ...hardening import MAX_METADATA_BYTES, check_json_depth, root_document_limit
 from .chunk_keys import default_chunk_key, key_separator
 
 _CRC_BYTES = 4
@@ -260,7 +260,14 @@ def _translated_key(new_sep: str, old_sep: str, key: str) -> str:
 
 
 def _metadata(array_dir: Path) -> dict[str, Any] | None:
-    meta = json.loads((array_dir / "zarr.json").read_text("utf-8"))
+    """The base array's metadata without its attributes; None where it is not a plain array
+    document (nested deeper than any, so never parsed: nothing is linked to it)."""
+    text = (array_dir / "zarr.json").read_text("utf-8")
+    try:
+        check_json_depth(text, str(array_dir))
+    except UnsafeFileError:
+        return None
+    meta = json.loads(text)
     if not isinstance(meta, dict) or meta.get("node_type") != "array":
         return None
     meta.pop("attributes", None)
