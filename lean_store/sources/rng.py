@@ -30,9 +30,15 @@ def generator_kind(gen: Any) -> str:
         return "numpy"
     if isinstance(gen, np.random.RandomState):
         return "numpy_legacy"
+    if isinstance(gen, random.SystemRandom):
+        raise CheckpointError(
+            f"a {type(gen).__name__} has no state to save (it draws from the operating "
+            "system); use a random.Random for a sequence that resumes")
+    if isinstance(gen, random.Random):
+        return "python"
     raise CheckpointError(
         f"cannot capture the state of a {type(gen).__name__}: pass torch.Generator, "
-        "numpy.random.Generator or numpy.random.RandomState objects"
+        "numpy.random.Generator, numpy.random.RandomState or random.Random objects"
     )
 
 
@@ -42,6 +48,8 @@ def generator_state(gen: Any) -> Any:
         return gen.get_state()
     if kind == "numpy":
         return gen.bit_generator.state
+    if kind == "python":
+        return gen.getstate()
     return gen.get_state()
 
 
@@ -63,6 +71,9 @@ def check_generator_state(gen: Any, state: Any, where: str) -> Callable[[], None
                 gen.bit_generator.state = state
 
             return install
+        if kind == "python":
+            random.Random().setstate(state)
+            return lambda: gen.setstate(state)
         np.random.RandomState().set_state(state)
         return lambda: gen.set_state(state)
     except (RuntimeError, ValueError, TypeError, KeyError) as exc:

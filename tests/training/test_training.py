@@ -382,21 +382,35 @@ def test_rng_states_are_restored(tmp_path, suffix):
     np_gen = np.random.default_rng(123)
     torch_gen = torch.Generator().manual_seed(9)
     legacy = np.random.RandomState(5)
+    py_gen = random.Random(11)  # random.Random objects too (refused before)
+    philox = np.random.Generator(np.random.Philox(7))  # any numpy bit generator
     np_gen.random(3)
     torch.rand(2, generator=torch_gen)
-    gens = {"np": np_gen, "torch": torch_gen, "legacy": legacy}
+    py_gen.gauss(0, 1)  # a normal pending in its state
+    gens = {"np": np_gen, "torch": torch_gen, "legacy": legacy, "py": py_gen, "philox": philox}
     path = tmp_path / f"rng{suffix}"
     ls.save_optimizer(opt, path, model=model, generators=gens)
 
     def draw():
         return (torch.rand(4).tolist(), np.random.rand(3).tolist(), random.random(),
                 np_gen.random(2).tolist(), torch.rand(2, generator=torch_gen).tolist(),
-                legacy.rand(2).tolist(), torch.nn.functional.dropout(torch.ones(16), 0.5).tolist())
+                legacy.rand(2).tolist(), torch.nn.functional.dropout(torch.ones(16), 0.5).tolist(),
+                py_gen.gauss(0, 1), py_gen.random(), philox.random(2).tolist())
 
     expected = draw()
     draw()  # move every generator on
     ls.load_optimizer(opt, path, model=model, generators=gens)
     assert draw() == expected
+
+
+def test_a_system_random_has_no_state_and_is_refused_by_name(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _steps(model, opt)
+    with pytest.raises(ls.CheckpointError, match="SystemRandom has no state"):
+        ls.save_optimizer(opt, tmp_path / "sys.h5", model=model,
+                          generators={"sys": random.SystemRandom()})
+    assert not (tmp_path / "sys.h5").exists()
 
 
 def test_file_without_rng_warns(tmp_path):
