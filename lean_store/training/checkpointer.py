@@ -191,9 +191,11 @@ class Checkpointer:
                                       options=opts, scaler=scaler)
         _check_step(step)
         self.clean_incomplete()
-        existing = self._entries().get(step)
+        entries = self._entries()
+        existing = entries.get(step)
         if existing is not None and not overwrite:
             raise CheckpointError(f"step {step} already exists at {existing}; pass overwrite=True")
+        self._warn_later(step, entries)
         path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
         if existing is not None and existing != path:
             check_replaceable(existing)  # it is removed after the save: refuse before it
@@ -215,8 +217,36 @@ class Checkpointer:
             self.last_save_stats = None
         if existing is not None and existing != path:
             self._remove(existing)
-        self._prune()
+        self._prune(keep=path)
         return path
+
+    def _warn_later(self, step: int, entries: Mapping[int, Path]) -> None:
+        """Warn when later steps than ``step`` are committed: they are what ``latest()`` and
+        ``restore()`` pick, and what ``keep_last`` keeps."""
+        later = sorted(s for s in entries if s > step)
+        if later:
+            shown = ", ".join(map(str, later[:5])) + (" ..." if len(later) > 5 else "")
+            warnings.warn(
+                f"saving step {step} into {self.directory}, which holds later steps ({shown}): "
+                f"latest() and restore() still pick step {later[-1]}, and keep_last counts them "
+                "and prunes the earlier ones. If this run goes on from an earlier step (rewound "
+                f"after a divergence, or restored from a damaged latest step), remove them "
+                f"first with discard_after({step})", stacklevel=3)
+
+    def discard_after(self, step: int) -> list[int]:
+        """Remove every committed step after ``step`` (a rewound run's abandoned steps), as
+        pruning removes a step (renamed aside at once, deleted in the background); returns
+        the steps removed. In a sharded run, call it on one process."""
+        _check_step(step)
+        removed = []
+        for later, path in sorted(self._entries().items()):
+            if later > step:
+                try:
+                    self._remove(path)
+                except FileNotFoundError:
+                    continue  # removed meanwhile
+                removed.append(later)
+        return removed
 
     def _base(self) -> Path | None:
         """The step an incremental save links to: the latest committed Zarr step."""
@@ -248,6 +278,7 @@ class Checkpointer:
             path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
             if existing is not None and existing != path:
                 check_replaceable(existing)
+            self._warn_later(step, self._entries())
             return [str(path), None if existing is None else str(existing)]
 
         path, existing = on_rank0(comm, check)
@@ -257,16 +288,24 @@ class Checkpointer:
         def prune() -> None:
             if existing is not None and existing != path:
                 self._remove(Path(existing))
-            self._prune()
+            self._prune(keep=Path(path))
 
         on_rank0(comm, prune)
         return Path(path)
 
-    def _prune(self) -> None:
+    def _prune(self, keep: Path) -> None:
+        """Drop the lowest steps beyond ``keep_last``, never ``keep`` (the step just saved:
+        with later steps in the directory it may be the lowest)."""
         if self.keep_last is None:
             return
         entries = self._entries()
-        for step in sorted(entries)[: max(0, len(entries) - self.keep_last)]:
+        excess = len(entries) - self.keep_last
+        for step in sorted(entries):
+            if excess <= 0:
+                break
+            if entries[step] == keep:
+                continue
+            excess -= 1
             try:
                 self._remove(entries[step])
             except FileNotFoundError:
@@ -372,8 +411,9 @@ class Checkpointer:
             raise type(exc)(
                 f"{exc}\nThe latest step ({path.name}) cannot be restored; nothing was changed. "
                 f"Older steps: {older[-5:]}. Check one with lean_store.verify, restore it with "
-                f"restore(step={older[-1]}, ...), and save the following steps with "
-                "overwrite=True (or move the damaged step away)") from exc
+                f"restore(step={older[-1]}, ...), then remove the damaged step with "
+                f"discard_after({older[-1]}) (or move it away) before saving the following "
+                "steps") from exc
 
     def _find(self, step: int | None) -> Path:
         if step is None:

@@ -72,14 +72,49 @@ def test_a_damaged_latest_step_names_the_older_ones(tmp_path, backend):
         ck.restore(model=fresh, optimizer=fresh_opt)
     message = str(info.value)
     assert "'model/0.weight'" in message and "Older steps: [0, 1]" in message
-    assert "restore(step=1" in message and "overwrite=True" in message
+    assert "restore(step=1" in message and "discard_after(1)" in message
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())  # untouched
     with pytest.raises(ls.IntegrityError) as info:  # a step asked for: its own error alone
         ck.restore(2, model=fresh)
     assert "Older steps" not in str(info.value)
     assert ck.restore(step=1, model=fresh, optimizer=fresh_opt).step == 1
-    ck.save(2, model=fresh, optimizer=fresh_opt, overwrite=True)
+    assert ck.discard_after(1) == [2]  # the damaged step, removed as the message says
+    assert ck.steps() == [0, 1]
+    ck.save(2, model=fresh, optimizer=fresh_opt)
     assert ck.restore(model=fresh).step == 2 and ls.verify(ck.path(2)).ok
+
+
+def test_a_rewound_run_is_warned_and_never_prunes_the_step_it_saved(tmp_path, backend):
+    """A run rolled back to an earlier step saves steps below the abandoned run's: each such
+    save warns (latest() and restore() would pick the abandoned steps), the step just saved
+    is never pruned (with keep_last=1 it was deleted at once, the save reporting success),
+    and discard_after removes the abandoned steps."""
+    import warnings
+
+    model, opt = _run()
+    ck = ls.Checkpointer(tmp_path / "run", keep_last=1, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # saves in increasing order warn of nothing
+        for step in (100, 150):
+            _step(model, opt)
+            ck.save(step, model=model, optimizer=opt)
+    with pytest.warns(UserWarning, match=r"holds later steps \(150\).*discard_after\(110\)"):
+        path = ck.save(110, model=model, optimizer=opt)
+    assert path.exists() and ck.steps() == [110]  # keep_last=1: the one just saved
+
+    ck = ls.Checkpointer(tmp_path / "run2", keep_last=2, backend=backend)
+    for step in (100, 140, 150):
+        ck.save(step, model=model, optimizer=opt)
+    assert ck.steps() == [140, 150]
+    ck.restore(140, model=model, optimizer=opt)
+    with pytest.warns(UserWarning, match=r"latest\(\) and restore\(\) still pick step 150"):
+        ck.save(145, model=model, optimizer=opt)
+    assert ck.steps() == [145, 150]  # 140 pruned, 145 kept
+    assert ck.discard_after(145) == [150]
+    assert ck.steps() == [145] and ck.latest() == 145
+    assert ck.discard_after(145) == []
+    ck.finish_deletions()
+    assert sorted(p.name for p in (tmp_path / "run2").iterdir()) == [ck.path(145).name]
 
 
 def test_a_checkpointer_that_pruned_can_be_copied_and_pickled(tmp_path):
