@@ -81,6 +81,8 @@ def detect_backend(path: str | os.PathLike) -> str:
     for record in RECORDS.values():
         if record.holds(p):
             return record.name
+    if not os.path.lexists(p):  # removed since check_checkpoint_path looked at it
+        raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
     if p.is_dir():
         raise IntegrityError(f"{p} is a directory but not a lean_store checkpoint (no zarr.json)"
                              f"{_checkpoints_inside(p)}")

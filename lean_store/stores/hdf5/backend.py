@@ -24,7 +24,10 @@ def _storage_name(fmt: ScalarFormat) -> str:
 def _holds(path: Path) -> bool:
     if path.is_dir():  # a sharded HDF5 checkpoint directory (lean_store.distributed)
         return (path / "lean_store.h5").is_file()
-    return hdf5_superblock_offset(path) is not None  # at 0, or after a user block (h5jam)
+    try:
+        return hdf5_superblock_offset(path) is not None  # at 0, or after a user block (h5jam)
+    except FileNotFoundError:  # removed since it was looked at (a step another process pruned)
+        return False
 
 
 def _writer(path: Any, *, chunk_bytes: int, compression: Any, checksum: str | None = None,

@@ -1,0 +1,39 @@
+"""A checkpoint removed while it is being opened (a step another process's Checkpointer pruned
+between a listing and an open): a typed error, never Python's raw ``FileNotFoundError``, which
+``ls.verify`` and ``ls.load_state`` raised when the file vanished between the existence check
+and the signature read (seen in tests/training/test_shared_directory.py)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import lean_store as ls
+import lean_store.stores.hdf5.backend as hdf5_backend
+
+
+@pytest.fixture
+def vanishing(monkeypatch, tmp_path):
+    path = tmp_path / "step.h5"
+    ls.save({"a": np.arange(3.0)}, path)
+    read_signature = hdf5_backend.hdf5_superblock_offset
+
+    def removed_first(p):
+        if os.path.exists(path):
+            os.remove(path)
+        return read_signature(p)
+
+    monkeypatch.setattr(hdf5_backend, "hdf5_superblock_offset", removed_first)
+    return path
+
+
+def test_verify_reports_a_checkpoint_that_vanished_while_opened(vanishing) -> None:
+    report = ls.verify(vanishing)
+    assert not report.ok and "does not exist" in str(report)
+
+
+def test_load_state_raises_a_checkpoint_error_for_it(vanishing) -> None:
+    with pytest.raises(ls.CheckpointError, match="the path does not exist"):
+        ls.load_state(vanishing)
