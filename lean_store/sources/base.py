@@ -59,6 +59,11 @@ class TargetTensor(ABC):
         was written in place)."""
         return None
 
+    def memory(self) -> tuple[Any, ...] | None:
+        """Where the target's words are (address, shape, byte strides, format and device):
+        equal for two names of one tensor (tied weights); None where not known or empty."""
+        return None
+
 
 EXACT_OVERLAP_ELEMENTS = 1 << 22
 """A view whose strides alone cannot rule out overlap has its element offsets compared one by
@@ -93,6 +98,25 @@ def overlap_refusal(name: str) -> str:
     return (f"cannot load tensor {name!r} into a view whose elements share memory (an "
             "expand()ed or broadcast view, an overlapping as_strided view): it cannot hold the "
             "checkpoint's values; load into a tensor of its own (view.clone())")
+
+
+def tied_to_stored(targets: Mapping[str, TargetTensor], stored: Layout, prefix: str = ""
+                   ) -> dict[str, str]:
+    """Targets the checkpoint lacks whose memory is that of a target it holds (tied weights:
+    ``lm_head.weight`` is ``embed.weight``, and a Hugging Face safetensors file keeps one of
+    them): name -> the stored twin, which loads both."""
+    held: dict[tuple[Any, ...], str] = {}
+    for name, target in targets.items():
+        key = target.memory() if prefix + name in stored else None
+        if key is not None:
+            held.setdefault(key, name)
+    tied: dict[str, str] = {}
+    for name, target in targets.items():
+        if prefix + name not in stored:
+            key = target.memory()
+            if key is not None and key in held:
+                tied[name] = held[key]
+    return tied
 
 
 def adopt_stored(targets: Mapping[str, TargetTensor], stored: Layout, prefix: str = "") -> None:

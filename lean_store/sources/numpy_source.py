@@ -124,6 +124,12 @@ class ArrayTarget(TargetTensor):
             raise UnsupportedValueError(overlap_refusal(entry.name))
         self._array = array.reshape(1) if array.ndim == 0 else array
 
+    def memory(self) -> tuple[Any, ...] | None:
+        a = self._array
+        if a.size == 0:
+            return None
+        return (a.__array_interface__["data"][0], a.shape, a.strides, self.entry.format.tag)
+
     def write(self, region: Region, bits: np.ndarray) -> None:
         fmt = self.entry.format
         dst = self._array[region]

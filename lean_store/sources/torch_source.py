@@ -346,6 +346,14 @@ class TorchTarget(TargetTensor):
             raise UnsupportedValueError(overlap_refusal(entry.name))
         self._bits = bit_view(tensor.reshape(1) if tensor.dim() == 0 else tensor)
 
+    def memory(self) -> tuple[Any, ...] | None:
+        t = self._bits
+        if t.numel() == 0:
+            return None
+        size = t.element_size()
+        return (t.untyped_storage().data_ptr() + t.storage_offset() * size, tuple(t.shape),
+                tuple(s * size for s in t.stride()), self.entry.format.tag, str(t.device))
+
     def write(self, region: Region, bits: np.ndarray) -> None:
         dst = self._bits[region]
         out = _numpy_view(dst) if dst.device.type == "cpu" else None
