@@ -133,6 +133,11 @@ class ArrayTarget(TargetTensor):
     def write(self, region: Region, bits: np.ndarray) -> None:
         fmt = self.entry.format
         dst = self._array[region]
+        if not dst.dtype.isnative:  # e.g. '>f4' (FITS data, a big-endian file's arrays): the
+            # words are native, so numpy converts each value into the target's byte order
+            native = dst.dtype.newbyteorder("=")
+            dst[...] = np.ascontiguousarray(bits).view(native).reshape(dst.shape)
+            return
         if fmt.words_per_value == 2:
             dst[...] = bits.view(dst.dtype).reshape(dst.shape)
         else:
