@@ -74,8 +74,10 @@ def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading
         index = index_of(p)
         if index is not None:  # a Hugging Face sharded checkpoint (or its directory)
             return index_format(index)
-        if p.is_dir():
-            return "zarr"
+        if p.is_dir():  # a Zarr store, or a sharded HDF5 checkpoint (lean_store.h5 + shards)
+            from ..stores.registry import detect_backend
+
+            return detect_backend(p)
         from ..stores.hdf5.checks import hdf5_superblock_offset
         from .torchlean_bridge import sniff
 

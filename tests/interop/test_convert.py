@@ -348,3 +348,30 @@ def test_malformed_safetensors_is_rejected(tmp_path: Path) -> None:
         with pytest.raises(IntegrityError):
             convert(tmp_path / f"{name}.safetensors", tmp_path / f"{name}.h5")
         assert not (tmp_path / f"{name}.h5").exists()
+
+
+@needs_torch
+def test_a_sharded_hdf5_checkpoint_directory_converts(tmp_path: Path) -> None:
+    """A sharded HDF5 checkpoint (a directory: lean_store.h5 and per-rank files, as sharded
+    saves and the DCP writer make it) was taken for a Zarr store by convert ("not a readable
+    Zarr v3 group") although inspect and verify read it."""
+    import torch.distributed.checkpoint as dcp
+
+    import lean_store.interop.dcp as lsd
+
+    state = {"w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "b": torch.ones(4)}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, storage_writer=lsd.StorageWriter(tmp_path / "s.h5"), no_dist=True)
+    assert (tmp_path / "s.h5").is_dir()
+    convert(tmp_path / "s.h5", tmp_path / "s.safetensors")
+    convert(tmp_path / "s.h5", tmp_path / "s.zarr")
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "s.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    from lean_store.cli import main
+
+    assert main(["diff", str(tmp_path / "s.h5"), str(tmp_path / "s.zarr")]) == 0
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ls.IntegrityError, match="a directory but not a lean_store checkpoint"):
+        convert(tmp_path / "plain", tmp_path / "p.h5")
