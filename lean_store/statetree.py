@@ -12,6 +12,7 @@ Decoding is the exact inverse. Anything else is refused with a :class:`Checkpoin
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CheckpointError, IntegrityError
+from .naming import MAX_NAME_LENGTH, MAX_NODE_BYTES, node_name
 
 EXACT_INT = 1 << 53
 MAX_DEPTH = 64
@@ -32,6 +34,21 @@ _TAGS = ("$int", "$float", "$tuple", "$dict", "$array", "$scalar", "$tensor")
 def _is_torch_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
+
+
+def storable_name(path: str) -> str:
+    """The tensor name of the value at ``path``: the path itself, or, where its node name
+    would not fit one path component (a Lightning callback's state key, such as
+    ``ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min', ...}``, escapes to far more
+    than 255 bytes), as much of its start as fits, then ``~`` and the first 16 hex digits of
+    the SHA-256 of the whole path. The tree names the tensor, so any unique name reads back."""
+    if len(path) <= MAX_NAME_LENGTH and len(node_name(path)) <= MAX_NODE_BYTES:
+        return path
+    digest = hashlib.sha256(path.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    keep = path[:MAX_NODE_BYTES]
+    while keep and len(node_name(f"{keep}~{digest}")) > MAX_NODE_BYTES:
+        keep = keep[:-4]
+    return f"{keep}~{digest}"
 
 
 def encode(value: Any, path: str, tensors: dict[str, Any], depth: int = 0) -> Any:
@@ -47,14 +64,17 @@ def encode(value: Any, path: str, tensors: dict[str, Any], depth: int = 0) -> An
             return value
         return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, np.ndarray):
-        tensors[path] = value
-        return {"$array": path}
+        name = storable_name(path)
+        tensors[name] = value
+        return {"$array": name}
     if isinstance(value, np.generic):
-        tensors[path] = np.asarray(value)
-        return {"$scalar": path}
+        name = storable_name(path)
+        tensors[name] = np.asarray(value)
+        return {"$scalar": name}
     if _is_torch_tensor(value):
-        tensors[path] = value.detach()
-        return {"$tensor": path}
+        name = storable_name(path)
+        tensors[name] = value.detach()
+        return {"$tensor": name}
     if isinstance(value, list):
         return [encode(v, f"{path}/{i}", tensors, depth + 1) for i, v in enumerate(value)]
     if isinstance(value, tuple):

@@ -183,3 +183,47 @@ def test_a_torch_ckpt_converted_by_the_command_line_resumes_through_the_plugin(
     t.fit(resumed, data(), ckpt_path=tmp_path / "run.h5")
     assert t.current_epoch == 4 and t.global_step == 16
     assert bits(resumed) == bits(whole)
+
+
+class Monitored(Tiny):
+    def training_step(self, batch, index):
+        loss = super().training_step(batch, index)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_a_monitored_model_checkpoint_saves_and_resumes(tmp_path: Path, backend: str) -> None:
+    """ModelCheckpoint(monitor=...), the usual Lightning setup, keeps its state under a key
+    like "ModelCheckpoint{'monitor': 'train_loss', 'mode': 'min', ...}" with tensors in it;
+    their key paths escape to node names over 255 bytes, and every save was refused
+    ("unsafe tensor names"). They are stored under shortened names now and resume exactly."""
+    io = CheckpointIO(backend=backend)
+
+    def callbacks() -> list:
+        return [pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "run", monitor="train_loss",
+                                             save_top_k=2, save_last=True)]
+
+    first = Monitored(seed=1)
+    t = pl.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks(),
+                   plugins=[io], default_root_dir=tmp_path)
+    t.fit(first, data())
+    last = tmp_path / "run" / "last.ckpt"
+    assert ls.verify(last).ok
+    with ls.open(last) as ck:
+        names = [n for n in ck.layout.names() if n.startswith("callbacks/")]
+    assert any(n.endswith("/best_model_score") for n in names)
+    assert any("~" in n for n in names)  # a best_k_models path, shortened
+    checkpoint = io.load_checkpoint(last)
+    state = next(v for k, v in checkpoint["callbacks"].items() if "'train_loss'" in k)
+    assert torch.equal(state["best_model_score"],
+                       t.checkpoint_callback.best_model_score.detach().cpu())
+    assert len(state["best_k_models"]) == 2
+
+    resumed = Monitored(seed=2)
+    t2 = pl.Trainer(max_epochs=4, accelerator="cpu", devices=1, logger=False,
+                    enable_progress_bar=False, enable_model_summary=False,
+                    callbacks=callbacks(), plugins=[io], default_root_dir=tmp_path)
+    t2.fit(resumed, data(), ckpt_path=last)
+    assert t2.current_epoch == 4
+    assert t2.checkpoint_callback.best_model_score is not None
