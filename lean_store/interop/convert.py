@@ -69,11 +69,14 @@ def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading
     if reading:
         if not p.exists():
             raise CheckpointError(f"no file at {p}: the path does not exist")
-        from .sharded_index import index_format, index_of
+        from .sharded_index import index_format, index_of, model_file_of
 
         index = index_of(p)
         if index is not None:  # a Hugging Face sharded checkpoint (or its directory)
             return index_format(index)
+        single = model_file_of(p)  # a model directory of one weights file
+        if single is not None:
+            return format_of_path(single, reading=True)
         if p.is_dir():  # a Zarr store, or a sharded HDF5 checkpoint (lean_store.h5 + shards)
             from ..stores.registry import detect_backend
 
@@ -197,6 +200,10 @@ def open_input(path: str | os.PathLike, fmt: str | None = None) -> Input:
         from ..hardening import check_checkpoint_path
 
         check_checkpoint_path(path, what="input")  # a FIFO or device is never opened
+    if not (isinstance(path, str) and "://" in path):
+        from .sharded_index import model_file_of
+
+        path = model_file_of(path) or path  # a model directory: its one weights file
     fmt = format_of_path(path, fmt, reading=True)
     if fmt in ("hdf5", "zarr"):
         ck = Checkpoint(path, backend=fmt)

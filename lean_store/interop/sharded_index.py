@@ -15,7 +15,9 @@ map to it, and shard names are plain file names in the index's directory (never 
 leads elsewhere). Any disagreement is one :class:`IntegrityError` listing every difference,
 before anything is written. Tensors keep the shards' order, each file's in data order. A
 directory holding both kinds of index (the same weights, as many model repositories ship them)
-is read through its safetensors index, as transformers reads it.
+is read through its safetensors index, as transformers reads it. A directory without an index
+stands for its one weights file (:func:`model_file_of`). Shards and files may be symbolic
+links to regular files, as everything in the Hugging Face hub's cache is.
 """
 
 from __future__ import annotations
@@ -57,6 +59,25 @@ def index_of(path: str | os.PathLike) -> Path | None:
             if found:
                 return found[0]
     return None
+
+
+def model_file_of(path: str | os.PathLike) -> Path | None:
+    """The one weights file of a model directory without an index (most models: one
+    ``model.safetensors`` below transformers' 5 GB shard size), else None: its only
+    ``*.safetensors`` file, or else its ``pytorch_model.bin``. Files may be symbolic links
+    to regular files, as in the Hugging Face hub's cache (``snapshots/<revision>/``)."""
+    p = Path(path)
+    if not p.is_dir() or (p / "zarr.json").exists() or index_of(p) is not None:
+        return None
+    found = sorted(q for q in p.glob("*.safetensors") if q.is_file())
+    if len(found) > 1:
+        raise CheckpointError(f"{p} holds {len(found)} safetensors files and no index "
+                              f"({', '.join(q.name for q in found[:5])}"
+                              f"{' ...' if len(found) > 5 else ''}): name the one to read")
+    if found:
+        return found[0]
+    legacy = p / "pytorch_model.bin"
+    return legacy if legacy.is_file() else None
 
 
 def index_format(index: Path) -> str:
@@ -107,7 +128,7 @@ class ShardedIndexSource(TensorSource):
             problems: list[str] = []
             for file in sorted(set(weight_map.values())):
                 shard = self.path.parent / file
-                if shard.is_symlink() or not shard.is_file():
+                if not shard.is_file():  # a symbolic link to one counts (the hub's cache)
                     problems.append(f"shard {file!r} is not a file beside the index")
                     continue
                 self._shards[file] = self._open_shard(shard)

@@ -131,3 +131,13 @@ def test_a_bin_shard_holding_an_arbitrary_pickle_is_refused_unloaded(tmp_path) -
         convert(index.parent, tmp_path / "out.h5")
     assert not (tmp_path / "pwned").exists()
     assert not (tmp_path / "out.h5").exists()
+
+
+def test_a_directory_of_one_pytorch_model_bin_converts(tmp_path) -> None:
+    model = tmp_path / "old-model"
+    model.mkdir()
+    torch.save(_state(), model / "pytorch_model.bin")
+    (model / "training_args.bin").write_bytes(b"\x80\x04not a state")  # never read
+    convert(model, tmp_path / "m.h5")
+    got = ls.load_state(tmp_path / "m.h5", like=_state())
+    assert all(_bits(got[n]) == _bits(v) for n, v in _state().items())

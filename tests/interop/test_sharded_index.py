@@ -129,3 +129,52 @@ def test_malformed_and_ambiguous_indexes_are_refused(tmp_path, monkeypatch) -> N
     with pytest.raises(ls.CheckpointError, match="2 safetensors indexes"):
         convert(index.parent, tmp_path / "out.h5")
     assert not (tmp_path / "out.h5").exists()
+
+
+def _as_hub_cache(directory: Path, root: Path) -> Path:
+    """The Hugging Face hub cache's layout: ``snapshots/<revision>/<file>`` are symbolic
+    links to ``blobs/<hash>``."""
+    blobs = root / "blobs"
+    snapshot = root / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(directory.iterdir())):
+        blob = blobs / f"blob{i}"
+        f.rename(blob)
+        (snapshot / f.name).symlink_to(Path("../../blobs") / blob.name)
+    return snapshot
+
+
+def test_a_model_in_the_hub_cache_converts_through_its_symlinks(tmp_path) -> None:
+    _write(tmp_path / "hf")
+    snapshot = _as_hub_cache(tmp_path / "hf", tmp_path / "models--org--name")
+    convert(snapshot, tmp_path / "out.h5")
+    got = ls.load_state(tmp_path / "out.h5")
+    for name, want in _state().items():
+        value = got[name]
+        assert _bits(value.bits if isinstance(value, ls.Encoded) else value) == _bits(want)
+
+
+def test_a_model_directory_of_one_weights_file_converts(tmp_path, capsys) -> None:
+    """Most models (below transformers' 5 GB shard size) are one model.safetensors and no
+    index; a Trainer checkpoint directory holds it beside optimizer and argument files."""
+    model = tmp_path / "checkpoint-500"
+    model.mkdir()
+    state = _state()
+    save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
+    (model / "config.json").write_text("{}")
+    (model / "training_args.bin").write_bytes(b"\x80\x04not a state")  # a pickle: never read
+    (model / "trainer_state.json").write_text("{}")
+    assert main(["convert", str(model), str(tmp_path / "m.h5")]) == 0
+    assert main(["diff", str(tmp_path / "m.h5"), str(model)]) == 0
+    assert "identical" in capsys.readouterr().out
+    snapshot = _as_hub_cache(model, tmp_path / "cache")
+    convert(snapshot, tmp_path / "c.zarr")
+    got = ls.load_state(tmp_path / "c.zarr")
+    assert _bits(got["layers.1.b"]) == _bits(state["layers.1.b"])
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.safetensors", "b.safetensors"):
+        save_file({"x": np.ones(2, np.float32)}, str(two / name))
+    with pytest.raises(ls.CheckpointError, match="2 safetensors files and no index"):
+        convert(two, tmp_path / "t.h5")
