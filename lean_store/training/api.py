@@ -6,6 +6,7 @@ the sharded parts are :mod:`lean_store.distributed.training`. See docs/TRAINING.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -61,6 +62,18 @@ def save_optimizer(
                  options=opts)
 
 
+def step_number(step: Any) -> int | None:
+    """``step`` as a Python int: an int, a numpy integer or an integer 0-d tensor (anything
+    with ``__index__``: a step counter kept in numpy or torch); None for anything else (a bool,
+    a float, a string)."""
+    if isinstance(step, bool) or "bool" in str(getattr(step, "dtype", "")):
+        return None
+    try:
+        return operator.index(step)
+    except TypeError:
+        return None
+
+
 def save_training(
     path: str | os.PathLike,
     *,
@@ -97,8 +110,11 @@ def save_training(
     Save options as for :func:`lean_store.save` (``options=`` or keywords); ``blocking=False``
     captures everything now and returns a :class:`SaveHandle`.
     """
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise CheckpointError(f"step must be a non-negative int or None, got {step!r}")
+    if step is not None:
+        number = step_number(step)
+        if number is None or number < 0:
+            raise CheckpointError(f"step must be a non-negative int or None, got {step!r}")
+        step = number
     opts = merge_options(options, chunk_bytes=chunk_bytes, compression=compression,
                          checksum=checksum, progress=progress, buffer_bytes=buffer_bytes,
                          snapshot=snapshot, storage_options=storage_options)

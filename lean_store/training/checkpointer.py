@@ -43,7 +43,7 @@ from ..stores.leftovers import writer_gone
 from ..stores.registry import BACKENDS, backend_record, checkpoint_path
 from ..stores.target import check_replaceable
 from ..stores.zarr.incremental import Described, IncrementalStats, linking_from
-from .api import load_training, save_training
+from .api import load_training, save_training, step_number
 from .state import SCHEDULED, TrainingInfo
 
 _SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
@@ -164,7 +164,7 @@ class Checkpointer:
 
     def path(self, step: int) -> Path:
         """Where ``step`` is (or would be) stored."""
-        _check_step(step)
+        step = _check_step(step)
         existing = self._entries().get(step)
         return existing or self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
 
@@ -189,7 +189,7 @@ class Checkpointer:
                                       scheduler=scheduler, rng=rng, data=data, extra=extra,
                                       generators=generators, overwrite=overwrite,
                                       options=opts, scaler=scaler)
-        _check_step(step)
+        step = _check_step(step)
         self.clean_incomplete()
         entries = self._entries()
         existing = entries.get(step)
@@ -237,7 +237,7 @@ class Checkpointer:
         """Remove every committed step after ``step`` (a rewound run's abandoned steps), as
         pruning removes a step (renamed aside at once, deleted in the background); returns
         the steps removed. In a sharded run, call it on one process."""
-        _check_step(step)
+        step = _check_step(step)
         removed = []
         for later, path in sorted(self._entries().items()):
             if later > step:
@@ -268,8 +268,9 @@ class Checkpointer:
 
     def _save_sharded(self, comm: Any, step: int, *, model: Any, overwrite: bool,
                       **kwargs: Any) -> Path:
+        step = _check_step(step)
+
         def check() -> list[str | None]:
-            _check_step(step)
             self.clean_incomplete()
             existing = self._entries().get(step)
             if existing is not None and not overwrite:
@@ -420,7 +421,7 @@ class Checkpointer:
             step = self.latest()
             if step is None:
                 raise CheckpointError(f"no committed checkpoint in {self.directory}")
-        _check_step(step)
+        step = _check_step(step)
         path = self._entries().get(step)
         if path is None:
             raise CheckpointError(f"no committed checkpoint for step {step} in {self.directory}; "
@@ -432,10 +433,14 @@ class Checkpointer:
                 f"backend={self.backend!r}, incremental={self.incremental}, steps={self.steps()})")
 
 
-def _check_step(step: Any) -> None:
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 10**19:
+def _check_step(step: Any) -> int:
+    """``step`` as an int (a numpy integer or an integer 0-d tensor counts, as for
+    :func:`~lean_store.training.api.step_number`), from 0 to 10**19 - 1."""
+    number = step_number(step)
+    if number is None or not 0 <= number < 10**19:
         raise CheckpointError(f"step must be an int from 0 to 10**19 - 1 (19 digits in a "
                               f"step's name), got {step!r}")
+    return number
 
 
 __all__ = ["Checkpointer"]

@@ -236,3 +236,25 @@ def test_writer_killed_at_any_moment_leaves_only_whole_steps(tmp_path, backend):
         assert all(bool((p == step).all()) for p in model.parameters())
         with ls.open(ck.path(step)) as opened:
             opened.verify()
+
+
+def test_steps_counted_in_numpy_or_torch_integers(tmp_path, backend):
+    """A step counter kept as a numpy integer or a 0-d integer tensor is a step (refused
+    before: "step must be an int"); bools, floats and strings are still refused."""
+    import numpy as np
+
+    model, opt = _run()
+    _step(model, opt)
+    ck = ls.Checkpointer(tmp_path / "run", backend=backend)
+    assert ck.save(np.int64(5), model=model, optimizer=opt) == ck.path(5)
+    ck.save(torch.tensor(7), model=model, optimizer=opt)
+    assert ck.steps() == [5, 7] and all(type(s) is int for s in ck.steps())
+    assert ck.restore(np.int32(5), model=model, optimizer=opt).step == 5
+    for bad in (True, np.bool_(True), 6.0, "6", -1, torch.tensor(True)):
+        with pytest.raises(ls.CheckpointError, match="step must be an int"):
+            ck.save(bad, model=model, optimizer=opt)
+    ls.save_training(tmp_path / f"t.{'zarr' if backend == 'zarr' else 'h5'}", model=model,
+                     optimizer=opt, step=np.uint16(9))
+    info = ls.load_training(tmp_path / f"t.{'zarr' if backend == 'zarr' else 'h5'}",
+                            model=model, optimizer=opt)
+    assert info.step == 9 and type(info.step) is int
