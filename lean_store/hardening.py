@@ -68,6 +68,8 @@ def check_checkpoint_path(path: str | os.PathLike, *, what: str = "checkpoint") 
     Checked with ``stat`` before anything opens the path: opening a FIFO blocks forever and a
     device reads without end, so they are refused with what they are, never opened."""
     p = os.fspath(path)
+    if isinstance(p, str) and len(p) > 1 and p.endswith("/"):
+        p = p.rstrip("/") or "/"  # "run.h5/" names run.h5, as pathlib and the stores take it
     must = f"{'an' if what[:1] in 'aeiou' else 'a'} {what} must be a regular file or a directory"
     try:
         link = os.lstat(p)

@@ -42,7 +42,13 @@ def checkpoint_path(path: Any, *, stores: bool = False) -> Any:
     is read or written."""
     if isinstance(path, (str, bytes, os.PathLike)):
         text = os.fspath(path)
-        return os.fsdecode(text) if isinstance(text, bytes) else path
+        if isinstance(text, bytes):
+            text = path = os.fsdecode(text)
+        if isinstance(path, str) and len(text) > 1 and text.endswith("/") and not is_url(text):
+            # "run.h5/" names run.h5, as pathlib (and so every save) takes it: the same
+            # string then opens what it saved, instead of "Not a directory"
+            return text.rstrip("/") or "/"
+        return path
     if stores and _is_zarr_store(path):
         return path
     if stores and callable(getattr(path, "read", None)) and callable(getattr(path, "seek",
