@@ -147,6 +147,9 @@ _SUGGEST_AMONG = 5000
 def _not_found(name: str, names: list[str], path: Any) -> str:
     """The message for a tensor name ``path`` does not hold: the closest names it holds."""
     count = len(names)
+    if not isinstance(name, str):  # ck[0], 0 in ck: names are strings (a KeyError, as dicts)
+        return (f"no tensor {name!r} in {path} ({count} tensors): tensor names are strings, "
+                f"not {type(name).__name__}; the names in order are list(checkpoint)")
     if count > _SUGGEST_AMONG:  # difflib compares with each: those ending alike only
         last = name.rsplit(".", 1)[-1]
         names = [n for n in names if n.endswith(last)][:_SUGGEST_AMONG]

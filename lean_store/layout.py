@@ -159,7 +159,7 @@ class Layout(Sequence[Entry]):
         return iter(self._entries)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._by_name
+        return isinstance(name, str) and name in self._by_name
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and self._entries == other._entries

@@ -397,3 +397,17 @@ def test_misuse_of_an_open_checkpoint_is_a_checkpoint_error(tmp_path, suffix) ->
     for read in (lambda: handle[0], lambda: handle.read(), lambda: ck["fc.bias"]):
         with pytest.raises(ls.CheckpointError, match="was closed"):
             read()
+
+
+def test_a_name_that_is_no_string_is_a_missing_tensor(tmp_path, suffix) -> None:
+    """``ck[0]`` and ``0 in ck`` raised a raw TypeError ("'int' object is not iterable", from
+    the close-match hint); a checkpoint is a mapping of names: a KeyError, and False."""
+    ls.save({"a": np.arange(3.0)}, tmp_path / f"m{suffix}")
+    with ls.open(tmp_path / f"m{suffix}") as ck:
+        for key in (0, None, b"a", ("a",), ["a"]):
+            with pytest.raises(ls.TensorNotFoundError, match="names are strings"):
+                ck[key]
+            assert key not in ck and ck.get(key) is None
+        with pytest.raises(KeyError):
+            ck[0]
+        assert "a" in ck
