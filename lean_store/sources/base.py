@@ -105,18 +105,18 @@ def tied_to_stored(targets: Mapping[str, TargetTensor], stored: Layout, prefix: 
     """Targets the checkpoint lacks whose memory is that of a target it holds (tied weights:
     ``lm_head.weight`` is ``embed.weight``, and a Hugging Face safetensors file keeps one of
     them): name -> the stored twin, which loads both."""
+    missing = {name: target.memory() for name, target in targets.items()
+               if prefix + name not in stored}  # usually none: then no memory is looked at
+    wanted = {key for key in missing.values() if key is not None}
+    if not wanted:
+        return {}
     held: dict[tuple[Any, ...], str] = {}
     for name, target in targets.items():
-        key = target.memory() if prefix + name in stored else None
-        if key is not None:
-            held.setdefault(key, name)
-    tied: dict[str, str] = {}
-    for name, target in targets.items():
-        if prefix + name not in stored:
+        if name not in missing:
             key = target.memory()
-            if key is not None and key in held:
-                tied[name] = held[key]
-    return tied
+            if key in wanted:
+                held.setdefault(key, name)
+    return {name: held[key] for name, key in missing.items() if key in held}
 
 
 def adopt_stored(targets: Mapping[str, TargetTensor], stored: Layout, prefix: str = "") -> None:
