@@ -1,8 +1,11 @@
 """torch ``.pt`` / ``.pth`` / ``.bin`` state-dict files, read ONLY with ``weights_only=True``.
 
 Reading never runs arbitrary pickle code: ``torch.load(weights_only=True)`` accepts tensors,
-plain containers and primitive values only. The file must hold a flat mapping of names to
-tensors (a ``state_dict``). Writing uses ``torch.save`` on an ``OrderedDict`` in layout order.
+plain containers and primitive values only. The file holds a flat mapping of names to
+tensors (a ``state_dict``), or a checkpoint dict of tensors and plain data (``{"model": ...,
+"optimizer": ..., "epoch": 3}``, a Lightning ``.ckpt``), stored as :mod:`.checkpoint_dict`
+lays it out. Writing uses ``torch.save`` on an ``OrderedDict`` in layout order (a checkpoint
+dict: the dict again).
 
 For a byte-identical round trip, the state dict's ``_metadata`` (module versions) and the zip
 archive's record prefix (torch derives it from the file name it saved to) and the container
