@@ -362,6 +362,10 @@ class TorchTarget(TargetTensor):
             # its intra-op threads, which on a busy machine made the install 5-50x slower
             # (216 MB of an LLM-like state: 24-76 ms with numpy, 0.1-6.5 s with copy_)
             np.copyto(out, np.ascontiguousarray(bits).view(out.dtype).reshape(out.shape))
+            # written behind autograd's back: counted as the in-place change it is, so that a
+            # graph that saved the old values fails at backward (as after torch's copy_ or
+            # load_state_dict) instead of computing gradients from the new ones
+            _increment_version(self._bits)
             return
         src = torch.from_numpy(np.ascontiguousarray(bits).view(_np_int(bits.dtype.itemsize)))
         with torch.no_grad():
@@ -374,6 +378,12 @@ class TorchTarget(TargetTensor):
                 dst.copy_(pinned.reshape(dst.shape), non_blocking=True)
             else:
                 dst.copy_(src.reshape(dst.shape), non_blocking=False)
+
+
+def _increment_version(t: torch.Tensor) -> None:
+    bump = getattr(torch.autograd.graph, "increment_version", None)  # torch 2.1+
+    if bump is not None:
+        bump(t)
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray | None:
