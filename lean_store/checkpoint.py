@@ -860,19 +860,19 @@ def load_state(
 def _state_of(
     ck: Checkpoint, like: Any, casts: dict[str, ScalarFormat], strict: bool, strict_order: bool
 ) -> dict[str, Any]:
-    devices: dict[str, Any] = {}
+    likes: dict[str, Any] = {}  # like's torch tensors
     own_names: dict[str, str] = {}  # a stored spelling -> the name ``like`` gives it
     if like is not None:
         like_layout = tensor_source(like).layout
         extra = _extra_state_names(like, like_layout)
-        devices = _devices_of(like)
+        likes = _torch_values_of(like)
         spelling = spelled_as(like_layout.names(), ck.layout.names()) if is_module(like) \
             else {}  # see respelled_layout
         like_layout = respelled_layout(like_layout, spelling)
         if extra:  # a module's extra state as it was saved (sources/module_state.py)
             like_layout = _stored_extra_state(like_layout, {spelling.get(n, n) for n in extra},
                                               ck.layout)
-        devices = respelled(devices, spelling)
+        likes = respelled(likes, spelling)
         casts = respelled(casts, spelling)
         own_names = {stored: name for name, stored in spelling.items()}
         expected = expected_with_casts(ck.layout, like_layout, casts)
@@ -891,10 +891,10 @@ def _state_of(
     for name, fmt in wanted.items():
         entry = ck.layout[name]
         words = read.pop(name)
-        if name in devices:
-            from .sources.torch_source import new_tensor
+        if name in likes:  # a tensor like like's: its device (and a packed FP4 dtype)
+            from .sources.torch_source import new_tensor_like
 
-            out[name] = new_tensor(words, fmt, entry.shape, devices[name])
+            out[name] = new_tensor_like(words, fmt, entry.shape, likes[name])
         else:
             out[name] = as_values(words, fmt)
     return respelled(out, own_names) if own_names else out
@@ -921,7 +921,7 @@ def _stored_extra_state(layout: Layout, names: set[str], stored: Layout) -> Layo
         for e in layout])
 
 
-def _devices_of(like: Any) -> dict[str, Any]:
+def _torch_values_of(like: Any) -> dict[str, Any]:
     if isinstance(like, Layout):
         return {}
     from .sources import is_torch_state
@@ -930,11 +930,8 @@ def _devices_of(like: Any) -> dict[str, Any]:
         return {}
     from .sources.torch_source import state_dict_of
 
-    return {
-        name: value.device
-        for name, value in state_dict_of(like).items()
-        if hasattr(value, "device")
-    }
+    return {name: value for name, value in state_dict_of(like).items()
+            if hasattr(value, "device")}
 
 
 __all__ = ["Checkpoint", "LoadResult", "OnError", "TensorHandle", "load", "load_state", "open"]

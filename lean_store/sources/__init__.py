@@ -1,4 +1,6 @@
-"""Where state comes from and goes back to. Only :mod:`.torch_source` imports torch."""
+"""Where state comes from and goes back to. Only the modules of torch objects import torch
+(:mod:`.torch_source`, :mod:`.module_state`, :mod:`.packed_fp4`, :mod:`.optimizer`,
+:mod:`.rng`), each when first used: ``import lean_store`` does not."""
 
 from __future__ import annotations
 

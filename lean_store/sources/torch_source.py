@@ -1,4 +1,4 @@
-"""torch modules, state dicts and tensors. The only module of lean_store that imports torch."""
+"""torch modules, state dicts and tensors as sources and targets of lean_store's words."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from .module_state import (
     owners_in,
 )
 from .numpy_source import ArraySourceTensor, ArrayTarget, format_of_value, masked_entry
+from .packed_fp4 import FORMAT as PACKED_FORMAT
+from .packed_fp4 import is_packed, packed_tensor, unpacked, values_shape, write_words
 
 _TAGS: dict[Any, str] = {
     torch.float64: "float64",
@@ -281,6 +283,8 @@ def check_entries(state: Mapping[str, Any]) -> None:
 
 
 def _entry_format(name: str, value: Any) -> ScalarFormat:
+    if is_packed(value):
+        return PACKED_FORMAT
     if isinstance(value, torch.Tensor):
         try:
             return format_of_dtype(value.dtype)
@@ -291,12 +295,21 @@ def _entry_format(name: str, value: Any) -> ScalarFormat:
     raise UnsupportedValueError(f"state entry {name!r} is {_a(type(value).__name__)}, not a tensor")
 
 
+def _entry_shape(value: Any) -> tuple[int, ...]:
+    """The stored shape: a packed FP4 tensor's values, two a byte (:mod:`.packed_fp4`)."""
+    return values_shape(tuple(value.shape)) if is_packed(value) else tuple(value.shape)
+
+
 def value_format(name: str, value: Any) -> ScalarFormat:
     """The format of one state entry, refused as :func:`check_entries` refuses it in a state
-    (a whole :class:`TorchSource` for one value costs ~30x more)."""
+    (a whole :class:`TorchSource` for one value costs ~30x more). For a sharded save's
+    local shards: a packed FP4 tensor is refused there (its shards would split bytes)."""
     why = unsupported_entry(name, value, {name: value})
     if why is not None:
         raise UnsupportedValueError(why)
+    if is_packed(value):
+        raise FormatError(f"tensor {name!r}: float4_e2m1fn_x2 is stored by single-process "
+                          "saves only, not as shards of a sharded save")
     return _entry_format(name, value)
 
 
@@ -314,13 +327,15 @@ class TorchSource(TensorSource):
         check_entries(state)
         self._values = dict(state)
         self.layout = Layout.from_specs(
-            [(n, tuple(v.shape), _entry_format(n, v)) for n, v in self._values.items()]
+            [(n, _entry_shape(v), _entry_format(n, v)) for n, v in self._values.items()]
         )
 
     def tensors(self) -> Iterator[tuple[Entry, SourceTensor]]:
         engine = None  # one engine (side streams) shared by the device tensors of this walk
         for entry in self.layout:
             value = self._values[entry.name]
+            if is_packed(value):
+                value = unpacked(value)  # its FP4 values, one a byte
             if isinstance(value, torch.Tensor):
                 on_host = value.device.type == "cpu"
                 if not on_host and engine is None:
@@ -410,13 +425,15 @@ def torch_targets(obj: Any) -> dict[str, TargetTensor]:
     extra = owners_in(module, state)
     if isinstance(module, torch.nn.Module):
         check_own_memory(module, {n: v for n, v in state.items() if n not in lazy}, extra)
-    layout = Layout.from_specs([(n, () if n in lazy else tuple(v.shape), _entry_format(n, v))
+    layout = Layout.from_specs([(n, () if n in lazy else _entry_shape(v), _entry_format(n, v))
                                 for n, v in state.items()])
     targets: dict[str, TargetTensor] = {}
     for entry in layout:
         value = state[entry.name]
         if entry.name in lazy:
             targets[entry.name] = UninitializedTarget(entry, value)
+        elif is_packed(value):
+            targets[entry.name] = PackedFp4Target(entry, value)
         elif entry.name in extra:
             targets[entry.name] = ExtraStateTarget(entry, extra[entry.name],
                                                    getattr(value, "device", None))
@@ -465,6 +482,17 @@ class ExtraStateTarget(TargetTensor):
         hand_over(self._owner, self.entry.name, value)
 
 
+class PackedFp4Target(TorchTarget):
+    """A ``float4_e2m1fn_x2`` tensor, loaded from the FP4 values it holds (two a byte)."""
+
+    def __init__(self, entry: Entry, tensor: torch.Tensor) -> None:
+        super().__init__(entry, tensor)
+        self._tensor = tensor.detach()
+
+    def write(self, region: Region, bits: np.ndarray) -> None:
+        write_words(self._tensor, region, bits)
+
+
 class UninitializedTarget(TargetTensor):
     """A lazy module's uninitialized parameter or buffer: it takes the stored shape (its own
     dtype and device stay, checked like any target's) and is materialized with that shape
@@ -498,6 +526,15 @@ class UninitializedTarget(TargetTensor):
 def extra_state_names(obj: Any, names: Any) -> set[str]:
     """Which of ``names`` (``obj``'s state's, lean_store's spelling) are extra state."""
     return set(owners_in(unwrapped(obj), names))
+
+
+def new_tensor_like(bits: np.ndarray, fmt: ScalarFormat, shape: tuple[int, ...], like: Any
+                    ) -> Any:
+    """:func:`new_tensor` on ``like``'s device, or a packed FP4 tensor of ``like``'s shape
+    where ``like`` is one (``shape`` is then the values' shape)."""
+    if is_packed(like):
+        return packed_tensor(bits, tuple(like.shape), like.device)
+    return new_tensor(bits, fmt, shape, getattr(like, "device", None))
 
 
 def new_tensor(bits: np.ndarray, fmt: ScalarFormat, shape: tuple[int, ...], device: Any) -> Any:
