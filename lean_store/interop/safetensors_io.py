@@ -52,6 +52,7 @@ DTYPES: dict[str, str] = {
     "BOOL": "bool",
     "U8": "uint8",
     "I8": "int8",
+    "F4": "float4_e2m1fn",  # packed two a byte, the first value in bits 0-3 (torch's order)
     "F8_E5M2": "float8_e5m2",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E8M0": "float8_e8m0fnu",
@@ -70,7 +71,7 @@ DTYPES: dict[str, str] = {
     "U64": "uint64",
 }
 # safetensors' Dtype enum order (the writer sorts by it, descending). F4/F6 sit between BOOL and
-# U8; they are packed two or more values per byte and lean_store does not write them.
+# U8; they are packed, F4 two values a byte (read and written), F6 four in three bytes (not).
 _ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
           "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
           "F64", "I64", "U64"]
@@ -85,11 +86,25 @@ def safetensors_dtype(fmt: ScalarFormat) -> str | None:
 
 def unrepresentable(layout: Layout) -> list[str]:
     """One line per tensor whose format safetensors cannot hold."""
-    return [
-        f"{e.name!r}: {e.format.tag} ({e.format.width} bits) has no safetensors dtype"
-        for e in layout
-        if safetensors_dtype(e.format) is None
-    ]
+    out = []
+    for e in layout:
+        if safetensors_dtype(e.format) is None:
+            out.append(f"{e.name!r}: {e.format.tag} ({e.format.width} bits) has no safetensors "
+                       "dtype")
+        elif e.format == _F4 and math.prod(e.shape) % 2:
+            out.append(f"{e.name!r}: {math.prod(e.shape)} float4_e2m1fn values cannot be packed "
+                       "two a byte (safetensors' F4 needs an even count)")
+    return out
+
+
+_F4 = get("float4_e2m1fn")
+
+
+def _data_bytes(count: int, fmt: ScalarFormat) -> int:
+    """Bytes of ``count`` values in a safetensors data buffer (F4: two a byte)."""
+    if fmt == _F4:
+        return count // 2
+    return count * fmt.storage_dtype.itemsize * fmt.words_per_value
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -137,6 +152,8 @@ class SafetensorsSource(TensorSource):
             return np.empty(shape, dtype=fmt.storage_dtype)
         assert self._map is not None
         raw = self._map[begin:end]
+        if fmt == _F4:  # two values a byte: one word each, the first from bits 0-3
+            return np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(shape)
         return raw.view(fmt.storage_dtype.newbyteorder("<")).reshape(shape)
 
     def tensors(self) -> Iterator[tuple[Entry, SourceTensor]]:
@@ -183,14 +200,16 @@ def _read_header(
             )
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if dtype not in DTYPES:
-            hint = " (packed sub-byte dtypes are not supported)" if dtype in _RANK else ""
+            hint = " (packed F6 dtypes are not supported)" if dtype in _RANK else ""
             raise FormatError(f"{path}: tensor {name!r} has dtype {dtype!r}{hint}")
         if not (isinstance(shape, list) and all(_nat(d) for d in shape)):
             raise IntegrityError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_nat(o) for o in offsets)):
             raise IntegrityError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
         fmt = get(DTYPES[dtype])
-        nbytes = math.prod(shape) * fmt.storage_dtype.itemsize * fmt.words_per_value
+        nbytes = _data_bytes(math.prod(shape), fmt)
+        if fmt == _F4 and math.prod(shape) % 2:
+            raise IntegrityError(f"{path}: tensor {name!r} holds an odd number of F4 values")
         if offsets[1] - offsets[0] != nbytes:
             raise IntegrityError(
                 f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but "
@@ -269,7 +288,8 @@ def write_safetensors(
         raise FormatError("safetensors metadata must map strings to strings")
     order = data_order(source.layout)
     header = header_bytes(
-        [(e.name, _DTYPE_OF_FORMAT[e.format], e.shape, e.nbytes) for e in order], metadata
+        [(e.name, _DTYPE_OF_FORMAT[e.format], e.shape, _data_bytes(math.prod(e.shape), e.format))
+         for e in order], metadata
     )
     tensors = dict(source.tensors())
     by_name = {e.name: e for e in tensors}
@@ -288,6 +308,13 @@ def write_safetensors(
 def _blocks(entry: Entry, src: SourceTensor) -> Iterator[np.ndarray]:
     shape = entry.shape or (1,)
     fmt = entry.format
+    if fmt == _F4:  # packed two a byte across the whole tensor: read whole (a byte per value)
+        words = np.ascontiguousarray(src.read(tuple(slice(0, d) for d in shape))).reshape(-1)
+        if words.size and int(words.max()) > 0xF:
+            raise IntegrityError(f"tensor {entry.name!r}: a float4_e2m1fn word is wider than "
+                                 "4 bits")
+        yield (words[0::2] | (words[1::2] << 4)).astype(np.uint8)
+        return
     itemsize = fmt.storage_dtype.itemsize * fmt.words_per_value
     for region in iter_regions(shape, plan_chunks(shape, itemsize, _BLOCK_BYTES)):
         yield np.ascontiguousarray(src.read(region))

@@ -82,3 +82,25 @@ def test_a_sharded_save_refuses_packed_fp4_shards() -> None:
 
     with pytest.raises(ls.FormatError, match="single-process saves only"):
         value_format("w", _packed((2, 2)))
+
+
+def test_safetensors_f4_files_convert_both_ways_byte_for_byte(tmp_path) -> None:
+    """safetensors writes a packed FP4 tensor as ``F4`` (shape (..., 2n), the same order) but
+    its own loader cannot read it back; lean_store reads it, and writes it again unchanged."""
+    from safetensors.torch import save_file
+
+    from lean_store.interop.convert import convert
+
+    state = {"w": _packed((5, 6)), "b": torch.randn(3)}
+    save_file(state, str(tmp_path / "f4.safetensors"))
+    convert(tmp_path / "f4.safetensors", tmp_path / "f4.h5")
+    got = ls.load_state(tmp_path / "f4.h5", like=state)
+    assert _bytes(got["w"]) == _bytes(state["w"]) and got["w"].dtype == X2
+    convert(tmp_path / "f4.h5", tmp_path / "back.safetensors")
+    back = (tmp_path / "back.safetensors").read_bytes()
+    assert back == (tmp_path / "f4.safetensors").read_bytes()
+    fp4 = ls.formats.get("float4_e2m1fn").numpy_dtype
+    ls.save({"odd": np.array([0.5, 1.0, 6.0]).astype(fp4)}, tmp_path / "odd.h5")
+    with pytest.raises(ls.FormatError, match="odd|even count"):
+        convert(tmp_path / "odd.h5", tmp_path / "odd.safetensors")
+    assert not (tmp_path / "odd.safetensors").exists()
