@@ -19,8 +19,9 @@ def is_torch_state(obj: Any) -> bool:
         return False
     if isinstance(obj, (torch.nn.Module, torch.Tensor)):
         return True
-    if isinstance(obj, dict) and obj and any(isinstance(v, torch.Tensor) for v in obj.values()):
-        return True
+    if isinstance(obj, Mapping) and obj and any(isinstance(v, torch.Tensor)
+                                                for v in obj.values()):
+        return True  # a dict, or any mapping (MappingProxyType, UserDict, ...) holding tensors
     return False
 
 
