@@ -62,7 +62,8 @@ def read_metadata(ck: Checkpoint) -> dict[str, Any]:
     version = attrs.get(VERSION_ATTR)
     if version is None:
         raise CheckpointError(f"{ck.path} is a lean_store checkpoint but not a Lightning one "
-                              f"(no {VERSION_ATTR!r} attribute)")
+                              f"or any other checkpoint dict (no {VERSION_ATTR!r} attribute): "
+                              "read its tensors with lean_store.load_state")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise IntegrityError(f"{ck.path}: malformed {VERSION_ATTR} {version!r}")
     if version > LIGHTNING_FORMAT_VERSION:
