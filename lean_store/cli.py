@@ -233,6 +233,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     out = _console()
     for d in report.layout:
         out.print(f"layout: {d}")
+    for line in report.metadata:
+        out.print(f"metadata: {line}", markup=False)
     from rich.table import Table
 
     table = Table(title=f"{args.a}  vs  {args.b}")
@@ -269,7 +271,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     _check_target(args.dst, args.force)
     layout = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
                      compression=_compression_arg(args.compression),
-                     chunk_bytes=args.chunk_bytes, progress=None if args.progress else False)
+                     chunk_bytes=args.chunk_bytes, progress=None if args.progress else False,
+                     tensors_only=args.tensors_only)
     print(f"converted {len(layout)} tensor{'' if len(layout) == 1 else 's'} "
           f"({_size(layout.nbytes)}): {args.src} -> {args.dst}",
           file=sys.stderr)
@@ -368,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "weights-gzip (no plugin needed), gzip, gzip:LEVEL, lzf; zarr: zstd, gzip, "
                    "blosc")
     p.add_argument("--chunk-bytes", type=int, help="chunk size for hdf5/zarr outputs")
+    p.add_argument("--tensors-only", action="store_true",
+                   help="drop a training checkpoint's or checkpoint dict's plain data (step, "
+                        "hyperparameters, epochs) and write its tensors alone")
     p.add_argument("--force", action="store_true",
                    help="replace DST if it is a file of the kind written")
     p.add_argument("--no-progress", dest="progress", action="store_false",

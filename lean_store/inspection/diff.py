@@ -12,6 +12,7 @@ Definitions (per element, over decoded exact values ``a`` and ``b``):
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,7 +21,9 @@ import numpy as np
 
 from ..checkpoint import Checkpoint
 from ..formats import BinaryFormat, ComplexFormat, ExponentFormat, ScalarFormat
+from ..hardening import check_json_depth
 from ..layout import Difference
+from ..statetree import JSON_DEPTH
 from .foreign import InputBlocks
 from .reading import DEFAULT_BLOCK_BYTES, block_unit, decoder, iter_words
 
@@ -52,14 +55,17 @@ class DiffReport:
 
     layout: list[Difference] = field(default_factory=list)
     tensors: list[TensorDiff] = field(default_factory=list)
+    metadata: list[str] = field(default_factory=list)  # plain data that differs, one a line
 
     @property
     def identical(self) -> bool:
-        return not self.layout and all(t.identical for t in self.tensors)
+        return (not self.layout and not self.metadata
+                and all(t.identical for t in self.tensors))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "identical": self.identical,
+            "metadata": list(self.metadata),
             "layout": [
                 {"kind": d.kind, "name": d.name, "expected": d.expected, "actual": d.actual,
                  "text": str(d)}
@@ -169,11 +175,68 @@ def diff(a: Checkpoint | InputBlocks, b: Checkpoint | InputBlocks, *,
          block_bytes: int = DEFAULT_BLOCK_BYTES) -> DiffReport:
     """Compare checkpoint ``b`` against ``a`` (``a`` is the expected side of layout diffs);
     either may be a file of another format (:class:`.foreign.InputBlocks`)."""
-    report = DiffReport(layout=b.layout.diff(a.layout))
+    report = DiffReport(layout=b.layout.diff(a.layout),
+                        metadata=metadata_diffs(plain_data(a), plain_data(b)))
     for entry in a.layout:
         if entry.name in b.layout:
             report.tensors.append(tensor_diff(a, b, entry.name, block_bytes=block_bytes))
     return report
 
 
-__all__ = ["DiffReport", "TensorDiff", "diff", "ordered_ints", "tensor_diff"]
+PLAIN_DATA = ("training", "lightning", "dcp")
+"""Root attributes holding a checkpoint's plain data as JSON state trees (FORMAT.md 7): the
+step, trainer extras, optimizer hyperparameters, scheduler and RNG of a training checkpoint,
+a checkpoint dict's epochs and hyperparameters, DCP's non-tensor items. Their tensors are
+compared as tensors; the rest of the root attributes describe the storage (save id, writer,
+manifests, digests) and differ between any two saves."""
+_SHOWN = 20
+
+
+def plain_data(side: Checkpoint | InputBlocks) -> dict[str, Any]:
+    """The parsed :data:`PLAIN_DATA` attributes of a checkpoint, or of another file's
+    conversion (a torch checkpoint dict carries ``lightning``)."""
+    attrs = side.root_attrs if isinstance(side, Checkpoint) else side.extra
+    out: dict[str, Any] = {}
+    for key in PLAIN_DATA:
+        value = attrs.get(key)
+        if isinstance(value, str):
+            check_json_depth(value, f"the {key!r} attribute", JSON_DEPTH)
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass  # compared as text
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def metadata_diffs(a: Any, b: Any, path: str = "", out: list[str] | None = None) -> list[str]:
+    """Where the JSON values ``a`` and ``b`` differ (``b`` against ``a``), a line each: the
+    key path, then both values (at most :data:`_SHOWN` lines, then a count)."""
+    out = [] if out is None else out
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            where = f"{path}/{key}" if path else str(key)
+            if key not in b:
+                out.append(f"{where}: only in the first ({_shown(a[key])})")
+            elif key not in a:
+                out.append(f"{where}: only in the second ({_shown(b[key])})")
+            else:
+                metadata_diffs(a[key], b[key], where, out)
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            metadata_diffs(x, y, f"{path}/{i}", out)
+    elif a != b or type(a) is not type(b):
+        out.append(f"{path}: {_shown(a)} != {_shown(b)}")
+    if path == "" and len(out) > _SHOWN:
+        out[_SHOWN:] = [f"... and {len(out) - _SHOWN} more"]
+    return out
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+__all__ = ["PLAIN_DATA", "DiffReport", "TensorDiff", "diff", "metadata_diffs",
+           "ordered_ints", "plain_data", "tensor_diff"]

@@ -21,6 +21,7 @@ class InputBlocks:
     def __init__(self, inp: Any) -> None:
         self._input = inp
         self.layout: Layout = inp.layout
+        self.extra: dict[str, Any] = dict(inp.extra)  # attributes a conversion would carry
 
     def blocks(self, name: str, *, unit: tuple[int, ...], reuse: bool = False
                ) -> Iterator[tuple[Region, np.ndarray]]:

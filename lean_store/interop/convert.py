@@ -56,6 +56,9 @@ SUFFIXES = {
 CARRIED_ATTRS = (
     "safetensors_metadata", "torch_metadata", "torch_archive", "torch_container", "torchlean_adam",
     "lightning_format_version", "lightning",  # a checkpoint dict's plain data (checkpoint_dict)
+    # the plain data of training checkpoints (and of those written before
+    # training_format_version: "optimizer") and DCP's non-tensor items (FORMAT.md 7)
+    "training_format_version", "training", "optimizer", "dcp",
 )
 
 
@@ -247,6 +250,27 @@ def open_input(path: str | os.PathLike, fmt: str | None = None) -> Input:
 # ------------------------------------------------------------------------------ outputs
 
 
+_PLAIN_DATA = (
+    ("training", "a training checkpoint's step, optimizer hyperparameters, scheduler, RNG and "
+                 "trainer state"),
+    ("optimizer", "an optimizer's hyperparameters and state layout"),
+    ("dcp", "DCP's non-tensor items"),
+)
+
+
+def _holds_plain_data(extra: dict[str, Any], key: str) -> bool:
+    """True when root attribute ``key`` carries data a tensor-only format would drop (DCP's
+    attribute of a save without non-tensor items carries none)."""
+    if key not in extra:
+        return False
+    if key != "dcp":
+        return True
+    try:
+        return bool(json.loads(extra[key]).get("objects"))
+    except (ValueError, AttributeError, TypeError):
+        return True
+
+
 def refusals(inp: Input, fmt: str) -> list[str]:
     """Why ``inp`` cannot be written exactly as ``fmt`` (one line each), or []."""
     from . import torchlean_bridge as tl
@@ -255,7 +279,13 @@ def refusals(inp: Input, fmt: str) -> list[str]:
     if "lightning" in inp.extra and fmt not in ("hdf5", "zarr", "torch"):
         return [f"the input is a checkpoint dict (plain data such as epochs or hyperparameters "
                 f"besides its tensors), which {fmt} cannot hold; convert it to .h5, .zarr or "
-                ".pt, or save its state dict alone"]
+                ".pt, or pass tensors_only (lean-store convert --tensors-only)"]
+    lost = [what for key, what in _PLAIN_DATA if _holds_plain_data(inp.extra, key)]
+    if lost and fmt not in ("hdf5", "zarr"):
+        return [f"the input holds {' and '.join(lost)} besides its tensors, which {fmt} cannot "
+                "hold (tensors only) and a conversion would drop; convert it to .h5 or .zarr, "
+                "or pass tensors_only (lean-store convert --tensors-only) to write the tensors "
+                "alone"]
     if fmt == "safetensors":
         from .safetensors_io import unrepresentable
 
@@ -334,21 +364,33 @@ transformers' ``save_pretrained`` writes it, and ``from_pretrained`` of older re
 Flax loader) refuses files whose metadata lacks a known ``format``."""
 
 
+PLAIN_DATA_ATTRS = ("training_format_version", "training", "optimizer", "dcp",
+                    "lightning_format_version", "lightning")
+"""The root attributes of a checkpoint's plain data (FORMAT.md 7), which ``tensors_only``
+drops."""
+
+
 def convert(
     src: str | os.PathLike, dst: str | os.PathLike, *, src_format: str | None = None,
     dst_format: str | None = None, compression: Any = None, chunk_bytes: int | None = None,
-    progress: Any = False,
+    progress: Any = False, tensors_only: bool = False,
 ) -> Layout:
-    """Convert ``src`` to ``dst`` exactly; returns the layout converted."""
+    """Convert ``src`` to ``dst`` exactly; returns the layout converted. ``tensors_only``
+    drops the plain data (a training checkpoint's step and hyperparameters, a checkpoint
+    dict's epochs, DCP's non-tensor items) and writes the tensors as a plain state, which
+    formats of tensors alone (safetensors, torch) then take."""
     if os.path.abspath(src) == os.path.abspath(dst):
         raise CheckpointError("the source and destination are the same path")
     with open_input(src, src_format) as inp:
+        if tensors_only:
+            inp.extra = {k: v for k, v in inp.extra.items() if k not in PLAIN_DATA_ATTRS}
+            inp.kind = "state"
         write_output(inp, dst, dst_format, compression=compression, chunk_bytes=chunk_bytes,
                      progress=progress)
         return inp.layout
 
 
 __all__ = [
-    "CARRIED_ATTRS", "FORMATS", "Input", "SUFFIXES", "convert", "format_of_path", "open_input",
-    "refusals", "write_output",
+    "CARRIED_ATTRS", "FORMATS", "PLAIN_DATA_ATTRS", "Input", "SUFFIXES", "convert",
+    "format_of_path", "open_input", "refusals", "write_output",
 ]

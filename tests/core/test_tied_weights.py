@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from safetensors.torch import save_model
 from torch_optional import require_torch
 
 torch = require_torch()
@@ -29,6 +28,8 @@ class TiedLM(torch.nn.Module):
 
 @pytest.mark.parametrize("suffix", [".h5", ".zarr"])
 def test_a_file_holding_one_of_two_tied_names_loads_strictly(tmp_path, suffix) -> None:
+    from safetensors.torch import save_model
+
     torch.manual_seed(0)
     model = TiedLM()
     save_model(model, str(tmp_path / "model.safetensors"))  # keeps one of the tied names
