@@ -137,11 +137,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     stats[entry.name] = tensor_stats(ck, entry.name, progress=bar)
         header = {"path": str(args.checkpoint), "backend": ck.backend, "kind": ck.kind,
                   "format_version": ck.format_version, "tensor_count": len(ck)}
+        from .inspection.diff import plain_data
+
+        plain = plain_data(ck)  # a training checkpoint's step, extras, ... (FORMAT.md 7)
     if args.json:
         for row in rows:
             if row["name"] in stats:
                 row["stats"] = stats[row["name"]].to_json()
-        _print_json({**header, "tensors": rows})
+        _print_json({**header, "plain_data": plain, "tensors": rows})
         return EXIT_OK
     from rich.table import Table
 
@@ -164,8 +167,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             cells += [_num(s.min), _num(s.max), _num(s.mean), str(s.nan),
                       str(s.posinf + s.neginf)]
         table.add_row(*cells)
-    _console().print(table)
+    console = _console()
+    console.print(table)
+    for key, tree in plain.items():
+        console.print(f"{key}: {_summary(tree)}", markup=False)
     return EXIT_OK
+
+
+def _summary(tree: Any, limit: int = 300) -> str:
+    """One line of a plain-data tree: its top-level scalars, and the class or size of the
+    rest (``--json`` gives the whole tree)."""
+    if not isinstance(tree, dict):
+        text = json.dumps(tree)
+    else:
+        parts = []
+        for key, value in tree.items():
+            if isinstance(value, dict) and isinstance(value.get("class"), str):
+                parts.append(f"{key}={value['class']}")
+            elif isinstance(value, (dict, list)):
+                what = "keys" if isinstance(value, dict) else "items"
+                parts.append(f"{key}=({len(value)} {what})")
+            else:
+                parts.append(f"{key}={json.dumps(value)}")
+        text = ", ".join(parts)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------- verify

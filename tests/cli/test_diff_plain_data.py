@@ -108,3 +108,17 @@ def test_dcp_non_tensor_items_survive_a_conversion(tmp_path) -> None:
     assert state["step"] == 4 and torch.equal(state["w"], torch.ones(3))
     with pytest.raises(ls.FormatError, match="DCP's non-tensor items"):
         convert(tmp_path / "d.h5", tmp_path / "d.safetensors")
+
+
+def test_inspect_shows_the_plain_data(tmp_path, capsys) -> None:
+    _training(tmp_path / "t.h5", 7, 3)
+    assert main(["inspect", str(tmp_path / "t.h5")]) == 0
+    out = capsys.readouterr().out
+    assert "training: step=7, model=torch.nn.modules.linear.Linear" in out
+    assert "optimizer=torch.optim.sgd.SGD" in out
+    assert main(["inspect", str(tmp_path / "t.h5"), "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["plain_data"]
+    assert plain["training"]["step"] == 7 and plain["training"]["extra"] == {"epoch": 3}
+    ls.save({"w": torch.ones(2)}, tmp_path / "w.h5")
+    assert main(["inspect", str(tmp_path / "w.h5"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plain_data"] == {}
