@@ -137,7 +137,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     stats[entry.name] = tensor_stats(ck, entry.name, progress=bar)
         header = {"path": str(args.checkpoint), "backend": ck.backend, "kind": ck.kind,
                   "format_version": ck.format_version, "tensor_count": len(ck)}
-        from .inspection.diff import plain_data
+        from .inspection.plain_data import plain_data
 
         plain = plain_data(ck)  # a training checkpoint's step, extras, ... (FORMAT.md 7)
     if args.json:

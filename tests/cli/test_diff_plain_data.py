@@ -15,7 +15,8 @@ torch = require_torch()
 
 import lean_store as ls  # noqa: E402
 from lean_store.cli import main  # noqa: E402
-from lean_store.inspection.diff import diff, metadata_diffs  # noqa: E402
+from lean_store.inspection.diff import diff  # noqa: E402
+from lean_store.inspection.plain_data import metadata_diffs  # noqa: E402
 
 
 def _training(path, step, epoch, lr=0.1):
