@@ -195,10 +195,10 @@ class Checkpointer:
         existing = entries.get(step)
         if existing is not None and not overwrite:
             raise CheckpointError(f"step {step} already exists at {existing}; pass overwrite=True")
-        self._warn_later(step, entries)
         path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
         if existing is not None and existing != path:
             check_replaceable(existing)  # it is removed after the save: refuse before it
+        self._warn_later(step, entries)
         if self.incremental:
             base = self._base()
             self._described, described = None, self._described
