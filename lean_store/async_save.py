@@ -47,7 +47,7 @@ from .options import SaveOptions, refuse
 from .snapshot import snapshot_of
 from .sources import tensor_source
 from .stores import commit_order
-from .stores.commit import is_url
+from .stores.commit import check_parent_directory, is_url
 from .stores.registry import backend_for, backend_record
 from .stores.target import check_replaceable
 from .writing import write_source
@@ -231,9 +231,7 @@ def start(
         raise CheckpointError("nothing to save: the state has no tensors")
     check_names(source.layout.names())
     backend = backend_for(path, backend)
-    parent = Path(path).parent
-    if not parent.is_dir():
-        raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
+    check_parent_directory(path)
     # a foreign path: refused here
     check_replaceable(path, directory=backend_record(backend).directory)
     frozen = tensor_source(snapshot_of(obj, options.snapshot))

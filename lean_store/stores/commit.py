@@ -71,6 +71,20 @@ def storage_options_for(url: str, given: dict[str, Any] | None = None) -> dict[s
     return dict(STORAGE_OPTIONS) if url.startswith(("file:", "local:")) else {}
 
 
+
+def check_parent_directory(path: Any) -> None:
+    """CheckpointError unless ``path``'s parent is a directory, naming what is in the way: a
+    missing directory, or a file where a directory should be (``run.h5/x.h5``)."""
+    parent = Path(path).parent
+    if parent.is_dir():
+        return
+    above = parent
+    while not os.path.lexists(above) and above != above.parent:
+        above = above.parent
+    if os.path.lexists(above) and not above.is_dir():
+        raise CheckpointError(f"cannot save to {path}: {above} is a file, not a directory")
+    raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
+
 class Commit(ABC):
     """Where a writer writes (:attr:`work`) and how that becomes visible at :attr:`target`."""
 
@@ -137,8 +151,7 @@ class LocalCommit(Commit):
         self.target = path
         self.directory = directory
         self.kind = kind
-        if not path.parent.is_dir():
-            raise CheckpointError(f"cannot save to {path}: directory {path.parent} does not exist")
+        check_parent_directory(path)
         self._check()  # before any byte is written; again just before the rename
         # its place among the saves to this path: a later one's commit is never undone
         turn = commit_order.take(path)

@@ -12,7 +12,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..hardening import check_checkpoint_path
 from .backend import Backend
 from .base import StoreReader, StoreWriter
-from .commit import is_url
+from .commit import check_parent_directory, is_url
 from .hdf5.backend import HDF5
 from .zarr.backend import ZARR
 
@@ -137,9 +137,7 @@ def open_writer(
     else:
         if storage_options is not None:
             raise CheckpointError("storage_options apply to URLs (s3://..., file://...) only")
-        parent = Path(path).parent
-        if not parent.is_dir():
-            raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
+        check_parent_directory(path)
     record.check_checksum(checksum)
     return record.writer(str(path) if is_url(path) else path, chunk_bytes=chunk_bytes,
                          compression=compression, checksum=checksum,
