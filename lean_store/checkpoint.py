@@ -42,7 +42,7 @@ from .metadata import check_stored, parse_root
 from .progress import make_progress
 from .read_ahead import read_all
 from .sources import TargetTensor, tensor_source, tensor_targets
-from .sources.base import adopt_stored, tied_to_stored
+from .sources.base import fitted_to_stored
 from .sources.module_names import respelled, spelled_as
 from .stores.base import ChunkProblem, Selection, StorageDescription, StoredTensor
 from .stores.commit import at_call_time, is_url
@@ -717,9 +717,8 @@ def load(
         # a module's names as ``ck`` spells them (a wrapper's: sources/module_names.py)
         spelling = spelled_as(given, ck.layout.names()) if is_module(target) else {}
         targets = respelled(given, spelling)
-        adopt_stored(targets, ck.layout)  # a module's extra state: as it was saved
-        tied = tied_to_stored(targets, ck.layout)  # loaded through the twin the file holds
-        targets = {n: t for n, t in targets.items() if n not in tied}
+        # extra state and lazy parameters as saved; tied names through the twin the file holds
+        targets, tied = fitted_to_stored(targets, ck.layout)
         target_layout = Layout.from_specs(
             [(n, t.entry.shape, t.entry.format) for n, t in targets.items()])
         expected = expected_with_casts(ck.layout, target_layout, respelled(casts, spelling))

@@ -62,14 +62,20 @@ def file_kind(mode: int) -> str:
     return next((what for test, what in _KINDS if test(mode)), "not a regular file")
 
 
+def without_trailing_separators(path: str) -> str:
+    """``path`` without trailing ``/`` ("run.h5/" names run.h5, as pathlib and so every save
+    takes it: the same string then opens what it saved); "/" stays."""
+    return (path.rstrip("/") or "/") if path.endswith("/") else path
+
+
 def check_checkpoint_path(path: str | os.PathLike, *, what: str = "checkpoint") -> None:
     """A local checkpoint path must be a regular file or a directory (or a symlink to one).
 
     Checked with ``stat`` before anything opens the path: opening a FIFO blocks forever and a
     device reads without end, so they are refused with what they are, never opened."""
     p = os.fspath(path)
-    if isinstance(p, str) and len(p) > 1 and p.endswith("/"):
-        p = p.rstrip("/") or "/"  # "run.h5/" names run.h5, as pathlib and the stores take it
+    if isinstance(p, str):
+        p = without_trailing_separators(p)
     must = f"{'an' if what[:1] in 'aeiou' else 'a'} {what} must be a regular file or a directory"
     try:
         link = os.lstat(p)

@@ -26,6 +26,10 @@ def pack(bits: np.ndarray, fmt: ScalarFormat) -> np.ndarray:
     width = fmt.word_width
     if width % 8 == 0:
         return words.astype(words.dtype.newbyteorder("<"), copy=False).view(np.uint8).copy()
+    if width == 4:  # two words a byte (fp4, int4): the same stream without the bit expansion
+        pairs = np.zeros(2 * math.ceil(words.size / 2), dtype=np.uint8)
+        pairs[: words.size] = words
+        return pairs[0::2] | (pairs[1::2] << 4)
     as_bytes = words.astype("<u8").view(np.uint8).reshape(-1, 8)
     stream = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :width]
     return np.packbits(stream.reshape(-1), bitorder="little")
@@ -45,6 +49,9 @@ def unpack(packed: np.ndarray, fmt: ScalarFormat, shape: tuple[int, ...]) -> np.
     dtype = fmt.storage_dtype
     if width % 8 == 0:
         return packed.view(dtype.newbyteorder("<")).astype(dtype).reshape(full_shape)
+    if width == 4:  # two words a byte, the first in bits 0-3
+        nibbles = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(-1)[:count]
+        return nibbles.astype(dtype).reshape(full_shape)
     stream = np.unpackbits(packed, bitorder="little")[: count * width].reshape(count, width)
     padded = np.zeros((count, 64), dtype=np.uint8)
     padded[:, :width] = stream

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, IntegrityError
 from ..hardening import check_json_depth
+from ..layout import Entry, Layout
 from ..statetree import JSON_DEPTH, decode, encode, tensor_names
 
 LIGHTNING_FORMAT_VERSION = 1
@@ -69,35 +73,55 @@ def read_metadata(ck: Checkpoint) -> dict[str, Any]:
     if version > LIGHTNING_FORMAT_VERSION:
         raise IntegrityError(f"{ck.path}: Lightning format version {version} is newer than this "
                              f"lean_store (reads up to {LIGHTNING_FORMAT_VERSION})")
-    text = attrs.get(META_ATTR)
-    if isinstance(text, str):
-        check_json_depth(text, f"{ck.path}: the {META_ATTR!r} attribute", JSON_DEPTH)
-    try:
-        meta = json.loads(text) if isinstance(text, str) else text
-    except ValueError as exc:
-        raise IntegrityError(f"{ck.path}: the {META_ATTR!r} attribute is not JSON ({exc})"
-                             ) from None
-    if not isinstance(meta, dict):
-        raise IntegrityError(f"{ck.path}: the {META_ATTR!r} attribute is not a JSON object")
+    meta = parse_metadata(attrs.get(META_ATTR), f"{ck.path}: the {META_ATTR!r} attribute")
     missing = sorted({name for _, name in tensor_names(meta) if name not in ck.layout})
     if missing:
         raise IntegrityError(f"{ck.path}: the checkpoint names tensors it does not hold: {missing}")
     return meta
 
 
+def parse_metadata(text: Any, where: str) -> dict[str, Any]:
+    """The JSON object of a :data:`META_ATTR` attribute (checked for depth before parsing)."""
+    if isinstance(text, str):
+        check_json_depth(text, where, JSON_DEPTH)
+    try:
+        meta = json.loads(text) if isinstance(text, str) else text
+    except ValueError as exc:
+        raise IntegrityError(f"{where} is not JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise IntegrityError(f"{where} is not a JSON object")
+    return meta
+
+
 def decode_checkpoint(ck: Checkpoint, meta: dict[str, Any], device: Any) -> dict[str, Any]:
     """Inverse of :func:`encode_checkpoint`, reading verified tensors from ``ck``."""
+    return decode_tensors(meta, ck.layout, lambda entry: ck.read_bits(entry.name), device,
+                          str(ck.path))
+
+
+def decode_tensors(meta: dict[str, Any], layout: Layout, read_words: Callable[[Entry], Any],
+                   device: Any, where: str) -> dict[str, Any]:
+    """The checkpoint dict of ``meta`` with its tensors from ``read_words`` (the words of an
+    entry of ``layout``): torch tensors on ``device``, numpy arrays and scalars as saved."""
     from ..checkpoint import as_values
     from ..sources.torch_source import dtype_of_format, new_tensor
 
     def lookup(kind: str, name: str) -> Any:
-        entry = ck.layout[name]
-        words = ck.read_bits(name)
+        if name not in layout:
+            raise IntegrityError(f"{where}: the checkpoint dict names tensor {name!r}, which "
+                                 "is missing")
+        entry = layout[name]
+        words = np.ascontiguousarray(read_words(entry))
+        if not words.flags.writeable:  # e.g. a memory-mapped input: the new value owns a copy
+            words = words.copy()
         if kind == "tensor":
             if dtype_of_format(entry.format) is None:
                 raise IntegrityError(f"tensor {name!r} is {entry.format.tag}, which torch "
                                      "cannot hold")
-            return new_tensor(words, entry.format, entry.shape, device)
+            tensor = new_tensor(words, entry.format, entry.shape, device)
+            if tensor.numel() == 0:  # the standard strides (torch.save records them)
+                tensor = tensor.new_empty(entry.shape)
+            return tensor
         values = as_values(words, entry.format)
         if kind == "scalar":
             if entry.shape != () or not hasattr(values, "dtype"):
@@ -105,7 +129,7 @@ def decode_checkpoint(ck: Checkpoint, meta: dict[str, Any], device: Any) -> dict
             return values[()]
         return values
 
-    return {key: decode(value, lookup, str(ck.path)) for key, value in meta.items()}
+    return {key: decode(value, lookup, where) for key, value in meta.items()}
 
 
 def map_device(map_location: Any) -> Any:

@@ -53,13 +53,14 @@ SUFFIXES = {
     ".tladam": "torchlean-adam",
 }
 # Root attributes that carry what another format needs for a byte-identical way back.
+PLAIN_DATA_ATTRS = ("training_format_version", "training", "optimizer", "dcp",
+                    "lightning_format_version", "lightning")
+"""The root attributes of a checkpoint's plain data (FORMAT.md 7: training checkpoints, also
+those written before training_format_version with "optimizer", DCP's non-tensor items,
+checkpoint dicts), carried between HDF5 and Zarr and dropped by ``tensors_only``."""
 CARRIED_ATTRS = (
     "safetensors_metadata", "torch_metadata", "torch_archive", "torch_container", "torchlean_adam",
-    "lightning_format_version", "lightning",  # a checkpoint dict's plain data (checkpoint_dict)
-    # the plain data of training checkpoints (and of those written before
-    # training_format_version: "optimizer") and DCP's non-tensor items (FORMAT.md 7)
-    "training_format_version", "training", "optimizer", "dcp",
-)
+) + PLAIN_DATA_ATTRS
 
 
 def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading: bool) -> str:
@@ -362,12 +363,6 @@ DEFAULT_SAFETENSORS_METADATA = {"format": "pt"}
 """``__metadata__`` of a safetensors file converted from anything but a safetensors file:
 transformers' ``save_pretrained`` writes it, and ``from_pretrained`` of older releases (and its
 Flax loader) refuses files whose metadata lacks a known ``format``."""
-
-
-PLAIN_DATA_ATTRS = ("training_format_version", "training", "optimizer", "dcp",
-                    "lightning_format_version", "lightning")
-"""The root attributes of a checkpoint's plain data (FORMAT.md 7), which ``tensors_only``
-drops."""
 
 
 def convert(

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..chunking import iter_regions, plan_chunks
 from ..errors import CheckpointError, FormatError, IntegrityError, UnsafeFileError
-from ..formats import ScalarFormat, get
+from ..formats import ScalarFormat, get, pack, unpack
 from ..layout import Entry, Layout
 from ..sources.base import SourceTensor, TensorSource
 from ..stores.commit import Commit
@@ -152,8 +152,8 @@ class SafetensorsSource(TensorSource):
             return np.empty(shape, dtype=fmt.storage_dtype)
         assert self._map is not None
         raw = self._map[begin:end]
-        if fmt == _F4:  # two values a byte: one word each, the first from bits 0-3
-            return np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(shape)
+        if fmt == _F4:  # two values a byte, the first in bits 0-3: lean_store's packing
+            return unpack(raw, fmt, shape)
         return raw.view(fmt.storage_dtype.newbyteorder("<")).reshape(shape)
 
     def tensors(self) -> Iterator[tuple[Entry, SourceTensor]]:
@@ -309,11 +309,7 @@ def _blocks(entry: Entry, src: SourceTensor) -> Iterator[np.ndarray]:
     shape = entry.shape or (1,)
     fmt = entry.format
     if fmt == _F4:  # packed two a byte across the whole tensor: read whole (a byte per value)
-        words = np.ascontiguousarray(src.read(tuple(slice(0, d) for d in shape))).reshape(-1)
-        if words.size and int(words.max()) > 0xF:
-            raise IntegrityError(f"tensor {entry.name!r}: a float4_e2m1fn word is wider than "
-                                 "4 bits")
-        yield (words[0::2] | (words[1::2] << 4)).astype(np.uint8)
+        yield pack(src.read(tuple(slice(0, d) for d in shape)), fmt)
         return
     itemsize = fmt.storage_dtype.itemsize * fmt.words_per_value
     for region in iter_regions(shape, plan_chunks(shape, itemsize, _BLOCK_BYTES)):

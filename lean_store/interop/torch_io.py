@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, FormatError, IntegrityError
-from ..hardening import check_json_depth
 from ..layout import Layout
 from ..sources.base import TensorSource
 from ..stores.commit import Commit
@@ -199,9 +198,7 @@ def write_torch_dict(meta_text: str, layout: Layout, read_words: Any,
     :func:`write_torch` saves a state dict."""
     import torch
 
-    from ..checkpoint import as_values
-    from ..sources.torch_source import new_tensor
-    from ..statetree import JSON_DEPTH, decode
+    from .checkpoint_dict import decode_tensors, parse_metadata
 
     problems = unrepresentable(layout)
     if problems:
@@ -209,26 +206,8 @@ def write_torch_dict(meta_text: str, layout: Layout, read_words: Any,
             "torch cannot hold these tensors exactly (lean_store never casts):\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
-    check_json_depth(meta_text, "the checkpoint dict's JSON", JSON_DEPTH)
-    try:
-        meta = json.loads(meta_text)
-    except ValueError as exc:
-        raise IntegrityError(f"the checkpoint dict's JSON is malformed ({exc})") from None
-    if not isinstance(meta, dict):
-        raise IntegrityError("the checkpoint dict's JSON is not an object")
-
-    def lookup(kind: str, name: str) -> Any:
-        if name not in layout:
-            raise IntegrityError(f"the checkpoint dict names tensor {name!r}, which is missing")
-        entry = layout[name]
-        words = np.array(read_words(entry))  # a copy the new value may own
-        if kind != "tensor":  # a numpy array or scalar, as the dict held it
-            values = as_values(words, entry.format)
-            return values[()] if kind == "scalar" else values
-        tensor = new_tensor(words, entry.format, entry.shape, None)
-        return torch.empty(entry.shape, dtype=tensor.dtype) if tensor.numel() == 0 else tensor
-
-    obj = {key: decode(value, lookup, "checkpoint dict") for key, value in meta.items()}
+    meta = parse_metadata(meta_text, "the checkpoint dict's JSON")
+    obj = decode_tensors(meta, layout, read_words, None, "checkpoint dict")
     with Commit.local(path, directory=False, kind=TORCH_FILE) as commit:
         with open(commit.work, "wb") as f:
             torch.save(obj, f)

@@ -119,6 +119,17 @@ def tied_to_stored(targets: Mapping[str, TargetTensor], stored: Layout, prefix: 
     return {name: held[key] for name, key in missing.items() if key in held}
 
 
+def fitted_to_stored(targets: Mapping[str, TargetTensor], stored: Layout, prefix: str = ""
+                     ) -> tuple[dict[str, TargetTensor], dict[str, str]]:
+    """``targets`` fitted to the checkpoint's layout ``stored`` (names ``prefix`` + name):
+    those that take their stored entry adopt it (a module's extra state, a lazy parameter),
+    and those the checkpoint holds through a tied twin are left out. Returns the targets to
+    load and the tied ones (name -> twin)."""
+    adopt_stored(targets, stored, prefix)
+    tied = tied_to_stored(targets, stored, prefix)
+    return {n: t for n, t in targets.items() if n not in tied}, tied
+
+
 def adopt_stored(targets: Mapping[str, TargetTensor], stored: Layout, prefix: str = "") -> None:
     """Each target that takes its stored entry adopts it, where ``stored`` has its name
     (``prefix`` + name: a training checkpoint's ``model/``)."""

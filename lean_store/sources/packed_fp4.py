@@ -18,7 +18,7 @@ import torch
 
 from ..chunking import Region
 from ..errors import IntegrityError
-from ..formats import ScalarFormat, get
+from ..formats import ScalarFormat, get, pack, unpack
 
 PACKED = getattr(torch, "float4_e2m1fn_x2", None)  # torch 2.8+
 FORMAT: ScalarFormat = get("float4_e2m1fn")
@@ -52,10 +52,9 @@ def _check_words(words: np.ndarray) -> None:
 def packed_tensor(words: np.ndarray, shape: tuple[int, ...], device: Any) -> torch.Tensor:
     """A new ``float4_e2m1fn_x2`` tensor of ``shape`` holding the FP4 ``words``."""
     assert PACKED is not None  # a packed tensor was asked for: this torch has the dtype
-    words = np.ascontiguousarray(words, dtype=np.uint8).reshape(values_shape(shape))
     _check_words(words)
-    b = words[..., 0::2] | (words[..., 1::2] << 4)
-    out = torch.from_numpy(np.ascontiguousarray(b)).view(PACKED).reshape(shape)
+    b = pack(words, FORMAT)  # the values in C order, two a byte: torch's layout
+    out = torch.from_numpy(b).view(PACKED).reshape(shape)
     return out if device is None or str(device) == "cpu" else out.to(device)
 
 
@@ -71,9 +70,8 @@ def write_words(t: torch.Tensor, region: Region, words: np.ndarray) -> None:
     box = (*lead, slice(lo, hi))
     host = b.device.type == "cpu"
     cur = b[box].numpy() if host else b[box].cpu().numpy()
-    nibbles = np.stack([cur & 0xF, cur >> 4], axis=-1).reshape(cur.shape[:-1] + (2 * (hi - lo),))
-    nibbles[..., start - 2 * lo: stop - 2 * lo] = words.reshape(
-        nibbles[..., start - 2 * lo: stop - 2 * lo].shape)
-    new = (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
+    values = unpack(cur, FORMAT, cur.shape[:-1] + (2 * (hi - lo),))
+    part = values[..., start - 2 * lo: stop - 2 * lo]
+    part[...] = words.reshape(part.shape)
     with torch.no_grad():
-        b[box].copy_(torch.from_numpy(np.ascontiguousarray(new)))
+        b[box].copy_(torch.from_numpy(pack(values, FORMAT).reshape(cur.shape)))

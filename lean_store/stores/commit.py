@@ -71,7 +71,6 @@ def storage_options_for(url: str, given: dict[str, Any] | None = None) -> dict[s
     return dict(STORAGE_OPTIONS) if url.startswith(("file:", "local:")) else {}
 
 
-
 def check_parent_directory(path: Any) -> None:
     """CheckpointError unless ``path``'s parent is a directory, naming what is in the way: a
     missing directory, or a file where a directory should be (``run.h5/x.h5``)."""
@@ -84,6 +83,7 @@ def check_parent_directory(path: Any) -> None:
     if os.path.lexists(above) and not above.is_dir():
         raise CheckpointError(f"cannot save to {path}: {above} is a file, not a directory")
     raise CheckpointError(f"cannot save to {path}: directory {parent} does not exist")
+
 
 class Commit(ABC):
     """Where a writer writes (:attr:`work`) and how that becomes visible at :attr:`target`."""

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..chunking import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 from ..errors import CheckpointError, IntegrityError
-from ..hardening import check_checkpoint_path
+from ..hardening import check_checkpoint_path, without_trailing_separators
 from .backend import Backend
 from .base import StoreReader, StoreWriter
 from .commit import check_parent_directory, is_url
@@ -44,10 +44,8 @@ def checkpoint_path(path: Any, *, stores: bool = False) -> Any:
         text = os.fspath(path)
         if isinstance(text, bytes):
             text = path = os.fsdecode(text)
-        if isinstance(path, str) and len(text) > 1 and text.endswith("/") and not is_url(text):
-            # "run.h5/" names run.h5, as pathlib (and so every save) takes it: the same
-            # string then opens what it saved, instead of "Not a directory"
-            return text.rstrip("/") or "/"
+        if isinstance(path, str) and not is_url(text):
+            return without_trailing_separators(text)
         return path
     if stores and _is_zarr_store(path):
         return path

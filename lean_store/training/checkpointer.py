@@ -190,15 +190,7 @@ class Checkpointer:
                                       generators=generators, overwrite=overwrite,
                                       options=opts, scaler=scaler)
         step = _check_step(step)
-        self.clean_incomplete()
-        entries = self._entries()
-        existing = entries.get(step)
-        if existing is not None and not overwrite:
-            raise CheckpointError(f"step {step} already exists at {existing}; pass overwrite=True")
-        path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
-        if existing is not None and existing != path:
-            check_replaceable(existing)  # it is removed after the save: refuse before it
-        self._warn_later(step, entries)
+        path, existing = self._place(step, overwrite)
         if self.incremental:
             base = self._base()
             self._described, described = None, self._described
@@ -219,6 +211,20 @@ class Checkpointer:
             self._remove(existing)
         self._prune(keep=path)
         return path
+
+    def _place(self, step: int, overwrite: bool) -> tuple[Path, Path | None]:
+        """Where ``step`` goes and the committed checkpoint it replaces (None for a new step),
+        after the leftovers of interrupted saves are cleaned and every refusal is made."""
+        self.clean_incomplete()
+        entries = self._entries()
+        existing = entries.get(step)
+        if existing is not None and not overwrite:
+            raise CheckpointError(f"step {step} already exists at {existing}; pass overwrite=True")
+        path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
+        if existing is not None and existing != path:
+            check_replaceable(existing)  # it is removed after the save: refuse before it
+        self._warn_later(step, entries)
+        return path, existing
 
     def _warn_later(self, step: int, entries: Mapping[int, Path]) -> None:
         """Warn when later steps than ``step`` are committed: they are what ``latest()`` and
@@ -271,15 +277,7 @@ class Checkpointer:
         step = _check_step(step)
 
         def check() -> list[str | None]:
-            self.clean_incomplete()
-            existing = self._entries().get(step)
-            if existing is not None and not overwrite:
-                raise CheckpointError(f"step {step} already exists at {existing}; "
-                                      "pass overwrite=True")
-            path = self.directory / f"step_{step:010d}{_SUFFIX[self.backend]}"
-            if existing is not None and existing != path:
-                check_replaceable(existing)
-            self._warn_later(step, self._entries())
+            path, existing = self._place(step, overwrite)
             return [str(path), None if existing is None else str(existing)]
 
         path, existing = on_rank0(comm, check)

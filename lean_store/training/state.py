@@ -24,7 +24,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..gc_pause import collection_paused
 from ..hardening import check_json_depth
 from ..layout import Difference, Layout, layout_error
-from ..sources.base import adopt_stored, tied_to_stored
+from ..sources.base import fitted_to_stored
 from ..sources.module_names import respelled, spelled_as, spelled_under
 from ..statetree import JSON_DEPTH, decode, encode, tensor_names
 
@@ -379,9 +379,8 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
     # named as the checkpoint spells them (a wrapper's names: sources/module_names.py)
     if is_module(model):
         targets = respelled(targets, spelled_under(targets, ck.layout.names(), "model/"))
-    adopt_stored(targets, ck.layout, "model/")  # a module's extra state: as it was saved
-    tied = tied_to_stored(targets, ck.layout, "model/")  # loaded through the stored twin
-    targets = {n: t for n, t in targets.items() if n not in tied}
+    # extra state and lazy parameters as saved; tied names through the twin the file holds
+    targets, _tied = fitted_to_stored(targets, ck.layout, "model/")
     expected = Layout.from_specs(
         [(f"model/{n}", t.entry.shape, t.entry.format) for n, t in targets.items()]
     )
