@@ -188,7 +188,9 @@ def load(
     pass ``cast={"name": "float32"}`` to convert a tensor explicitly.
     Tensors are matched by name, so a file whose tensors are in another order (a converted
     safetensors file is sorted by name) loads; ``strict_order=True`` also requires the file's
-    tensors to be in the target's order.
+    tensors to be in the target's order. A module's meta parameters and buffers (a model
+    built under ``torch.device("meta")``) get CPU memory in place, as
+    ``load_state_dict(..., assign=True)`` gives them, once the checkpoint is checked.
     With ``process_group`` (or DTensors / ``LocalShard`` values in the target) every rank
     reads only the regions of its own shards, from a checkpoint saved by any number of ranks;
     ``cast``, a progress bar and ``storage_options`` are refused there (``progress=False``,

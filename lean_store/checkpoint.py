@@ -41,8 +41,8 @@ from .layout import Difference, Entry, Layout, layout_error, stored_rank_shape
 from .metadata import check_stored, parse_root
 from .progress import make_progress
 from .read_ahead import read_all
-from .sources import TargetTensor, tensor_source, tensor_targets
-from .sources.base import fitted_to_stored
+from .sources import TargetTensor, template_layout, tensor_targets
+from .sources.base import fitted_to_stored, prepared
 from .sources.module_names import respelled, spelled_as
 from .stores.base import ChunkProblem, Selection, StorageDescription, StoredTensor
 from .stores.commit import at_call_time, is_url
@@ -744,7 +744,9 @@ def load(
             for name in names:
                 ck.check_metadata(name)
         total = sum(ck.layout[n].nbytes for n in names)
-        with make_progress(progress, f"load {Path(str(path)).name}", total) as bar:
+        # meta tensors get memory now (all or none), taken back if nothing gets installed
+        with prepared([targets[n] for n in names], lambda: bool(touched)), \
+                make_progress(progress, f"load {Path(str(path)).name}", total) as bar:
             for name in names:
                 try:
                     words = kept.pop(name, None)
@@ -862,7 +864,7 @@ def _state_of(
     likes: dict[str, Any] = {}  # like's torch tensors
     own_names: dict[str, str] = {}  # a stored spelling -> the name ``like`` gives it
     if like is not None:
-        like_layout = tensor_source(like).layout
+        like_layout = template_layout(like)  # meta tensors: templates
         extra = _extra_state_names(like, like_layout)
         likes = _torch_values_of(like)
         spelling = spelled_as(like_layout.names(), ck.layout.names()) if is_module(like) \

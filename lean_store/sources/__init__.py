@@ -30,6 +30,16 @@ def layout_of(obj: Any) -> Layout:
     return obj if isinstance(obj, Layout) else tensor_source(obj).layout
 
 
+def template_layout(obj: Any) -> Layout:
+    """The layout a load checks against (``like=``): :func:`layout_of`, where meta tensors
+    (shapes and dtypes without memory) stand for the tensors they describe."""
+    if is_torch_state(obj):
+        from .torch_source import TorchSource
+
+        return TorchSource(obj, meta_ok=True).layout
+    return layout_of(obj)
+
+
 def tensor_source(obj: Any) -> TensorSource:
     """A :class:`TensorSource` for a torch module, a state dict or a mapping of arrays."""
     if isinstance(obj, TensorSource):
@@ -63,4 +73,4 @@ def tensor_targets(obj: Any) -> dict[str, TargetTensor]:
     return numpy_targets(obj)
 
 
-__all__ = ["TargetTensor", "TensorSource", "tensor_source", "tensor_targets"]
+__all__ = ["TargetTensor", "TensorSource", "template_layout", "tensor_source", "tensor_targets"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,16 @@ class TargetTensor(ABC):
     def adopt(self, entry: Entry) -> None:
         """Take the stored ``entry``'s shape and format (only if :attr:`takes_stored_entry`)."""
         raise NotImplementedError
+
+    def prepare(self) -> None:
+        """Called once the checkpoint is validated and checked, before any target is written:
+        a target that must first change the object it loads into (a meta tensor given
+        memory) does it here, and :meth:`undo` reverts it."""
+        return None
+
+    def undo(self) -> None:
+        """Revert :meth:`prepare` (another target's preparation failed)."""
+        return None
 
     def finish(self) -> None:
         """Called once every tensor of the load is installed (nothing to do for memory that
@@ -117,6 +128,35 @@ def tied_to_stored(targets: Mapping[str, TargetTensor], stored: Layout, prefix: 
             if key in wanted:
                 held.setdefault(key, name)
     return {name: held[key] for name, key in missing.items() if key in held}
+
+
+def prepare_targets(targets: Iterable[TargetTensor]) -> None:
+    """:meth:`TargetTensor.prepare` each of ``targets``; if one fails, those prepared are
+    undone (in reverse) and the error raised: all or nothing, before any words are written."""
+    done: list[TargetTensor] = []
+    try:
+        for target in targets:
+            target.prepare()
+            done.append(target)
+    except BaseException:
+        for target in reversed(done):
+            target.undo()
+        raise
+
+
+@contextmanager
+def prepared(targets: Iterable[TargetTensor], written: Callable[[], bool]) -> Iterator[None]:
+    """:func:`prepare_targets` for the block, undone if the block fails before ``written()``
+    (words were copied into a target)."""
+    chosen = list(targets)
+    prepare_targets(chosen)
+    try:
+        yield
+    except BaseException:
+        if not written():
+            for target in reversed(chosen):
+                target.undo()
+        raise
 
 
 def fitted_to_stored(targets: Mapping[str, TargetTensor], stored: Layout, prefix: str = ""

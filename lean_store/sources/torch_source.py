@@ -16,6 +16,7 @@ from ..formats import ScalarFormat, complex_of, get
 from ..layout import Entry, Layout
 from ..stream import CopyEngine
 from .base import SourceTensor, TargetTensor, TensorSource, elements_overlap, overlap_refusal
+from .meta_tensors import MetaTarget, is_meta, meta_entries
 from .module_names import canonical_state
 from .module_state import (
     check_own_memory,
@@ -237,9 +238,10 @@ def unsupported_entry(name: str, value: Any, state: Mapping[str, Any]) -> str | 
             )
         if value.device.type == "meta":
             return (
-                f"state entry {name!r} is a meta tensor: it has a shape but no data. Materialize "
-                "the model first (module.to_empty(device='cpu'), then initialize or load its "
-                "weights)"
+                f"state entry {name!r} is a meta tensor: it has a shape but no data. Save a "
+                "materialized model; to load into meta tensors, pass the module that holds "
+                "them to lean_store.load (which gives them CPU memory), or use "
+                "lean_store.load_state(path, like=module) and load_state_dict(..., assign=True)"
             )
         return None
     if isinstance(value, (np.ndarray, Encoded)):
@@ -322,9 +324,11 @@ def value_source(value: Any, fmt: ScalarFormat) -> SourceTensor:
 
 
 class TorchSource(TensorSource):
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, *, meta_ok: bool = False) -> None:
+        """``meta_ok``: meta tensors count as the tensors they describe (a load's template,
+        ``like=``), not refused; such a source has a layout but no words to save."""
         state = state_dict_of(obj)
-        check_entries(state)
+        check_entries({n: v for n, v in state.items() if not meta_ok or not is_meta(v)})
         self._values = dict(state)
         self.layout = Layout.from_specs(
             [(n, _entry_shape(v), _entry_format(n, v)) for n, v in self._values.items()]
@@ -419,18 +423,21 @@ def torch_targets(obj: Any) -> dict[str, TargetTensor]:
     to its ``set_extra_state`` after the load (:mod:`.module_state`), and an entry that is not
     the module's own memory is refused."""
     state = state_dict_of(obj)
-    lazy = {n for n, v in state.items() if is_uninitialized(v)}
-    check_entries({n: v for n, v in state.items() if n not in lazy})
     module = unwrapped(obj)
+    meta = meta_entries(module, state)  # given memory by the load (sources/meta_tensors.py)
+    lazy = {n for n, v in state.items() if is_uninitialized(v)} | set(meta)
+    check_entries({n: v for n, v in state.items() if n not in lazy})
     extra = owners_in(module, state)
     if isinstance(module, torch.nn.Module):
         check_own_memory(module, {n: v for n, v in state.items() if n not in lazy}, extra)
-    layout = Layout.from_specs([(n, () if n in lazy else _entry_shape(v), _entry_format(n, v))
-                                for n, v in state.items()])
+    layout = Layout.from_specs([(n, () if n in lazy and n not in meta else _entry_shape(v),
+                                 _entry_format(n, v)) for n, v in state.items()])
     targets: dict[str, TargetTensor] = {}
     for entry in layout:
         value = state[entry.name]
-        if entry.name in lazy:
+        if entry.name in meta:
+            targets[entry.name] = MetaTarget(entry, meta[entry.name])
+        elif entry.name in lazy:
             targets[entry.name] = UninitializedTarget(entry, value)
         elif is_packed(value):
             targets[entry.name] = PackedFp4Target(entry, value)
@@ -530,15 +537,18 @@ def extra_state_names(obj: Any, names: Any) -> set[str]:
 
 def new_tensor_like(bits: np.ndarray, fmt: ScalarFormat, shape: tuple[int, ...], like: Any
                     ) -> Any:
-    """:func:`new_tensor` on ``like``'s device, or a packed FP4 tensor of ``like``'s shape
-    where ``like`` is one (``shape`` is then the values' shape)."""
+    """:func:`new_tensor` on ``like``'s device (the CPU for a meta tensor), or a packed FP4
+    tensor of ``like``'s shape where ``like`` is one (``shape`` is then the values' shape)."""
+    device = getattr(like, "device", None)
     if is_packed(like):
-        return packed_tensor(bits, tuple(like.shape), like.device)
-    return new_tensor(bits, fmt, shape, getattr(like, "device", None))
+        return packed_tensor(bits, tuple(like.shape), None if _is_meta_device(device) else device)
+    return new_tensor(bits, fmt, shape, device)
 
 
 def new_tensor(bits: np.ndarray, fmt: ScalarFormat, shape: tuple[int, ...], device: Any) -> Any:
-    """A new torch tensor holding ``bits`` exactly, or an ``Encoded`` if torch has no dtype."""
+    """A new torch tensor holding ``bits`` exactly, or an ``Encoded`` if torch has no dtype;
+    on ``device``, or on the CPU for the meta device (a template without memory: a meta
+    model's ``like=``, an optimizer over meta parameters)."""
     dtype = dtype_of_format(fmt)
     if dtype is None:
         return Encoded(bits, fmt)
@@ -550,9 +560,14 @@ def new_tensor(bits: np.ndarray, fmt: ScalarFormat, shape: tuple[int, ...], devi
     else:
         out = words.view(dtype).reshape(shape)
     # ``bits`` is a fresh array owned by the caller, so the CPU tensor can share its memory.
-    if device is None or getattr(device, "type", None) == "cpu" or str(device) == "cpu":
+    if device is None or getattr(device, "type", None) == "cpu" or str(device) == "cpu" \
+            or _is_meta_device(device):
         return out
     return out.to(device)
+
+
+def _is_meta_device(device: Any) -> bool:
+    return getattr(device, "type", None) == "meta" or str(device) == "meta"
 
 
 def _fits_on_devices(state: Mapping[str, Any]) -> bool:

@@ -24,7 +24,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..gc_pause import collection_paused
 from ..hardening import check_json_depth
 from ..layout import Difference, Layout, layout_error
-from ..sources.base import fitted_to_stored
+from ..sources.base import fitted_to_stored, prepare_targets
 from ..sources.module_names import respelled, spelled_as, spelled_under
 from ..statetree import JSON_DEPTH, decode, encode, tensor_names
 
@@ -390,6 +390,7 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
     ck.verify([e.name for e in stored])  # every digest before anything is written
 
     def install() -> None:
+        prepare_targets(targets.values())  # meta tensors get memory (all or none)
         for name, target in targets.items():
             for region, words in ck.blocks(f"model/{name}", reuse=True):
                 target.write(region, words)

@@ -237,10 +237,10 @@ def test_sparse_tensor_is_refused_with_to_dense(tmp_path, kind) -> None:
     _refused(tmp_path, {"w": dense, "s": sparse}, names="'s'", hint="to_dense()")
 
 
-def test_meta_tensor_is_refused_with_materialize(tmp_path) -> None:
+def test_meta_tensor_save_is_refused_naming_the_load(tmp_path) -> None:
     torch = pytest.importorskip("torch")
     _refused(tmp_path, torch.nn.Linear(3, 3, device="meta"), names="'weight'",
-             hint="Materialize")
+             hint="lean_store.load")
 
 
 @pytest.mark.parametrize("suffix", [".zarr", ".h5"])
