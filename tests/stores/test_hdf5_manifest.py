@@ -79,8 +79,8 @@ def test_open_reads_no_dataset_attribute(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(hdf5, "header_match", lambda messages, expected: (
         calls.append("header"), real_header(messages, expected))[1])
     real_root = hdf5.read_hdf5_attrs
-    monkeypatch.setattr(hdf5, "read_hdf5_attrs", lambda obj, where, limits=None: (
-        calls.append(where), real_root(obj, where, limits))[1])
+    monkeypatch.setattr(hdf5, "read_hdf5_attrs", lambda obj, where, limits=None, ours=None: (
+        calls.append(where), real_root(obj, where, limits, ours))[1])
     with ls.open(path) as ck:
         # the root's attributes only; a one-chunk dataset's object header is read at open
         # (stores/hdf5/header_layout.py), and its attributes compared from those bytes then

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import numpy as np
@@ -34,8 +34,21 @@ def hdf5_superblock_offset(path: str | os.PathLike) -> int | None:
     return None
 
 
-def read_hdf5_attrs(obj: Any, where: str, limits: Mapping[str, int] | None = None
-                    ) -> dict[str, Any]:
+ROOT_ATTRS = frozenset({
+    "lean_store", "format_version", "kind", "tensor_count", "layout", "writer", "manifest",
+    "header_digests", "save_id", "complete", "sharded", "master_manifest", "lean_store_shard",
+    "training_format_version", "training", "optimizer", "lightning_format_version",
+    "lightning", "dcp", "safetensors_metadata", "torch_metadata", "torch_archive",
+    "torch_container", "torchlean_adam",
+})
+"""Every root attribute a lean_store reader uses (docs/FORMAT.md 2.2 and section 5). Any
+other is another tool's (an analyst's note), which readers ignore without reading it: its
+type is not checked, so a variable-length string (what h5py writes for
+``f.attrs["note"] = "..."``) is never read from HDF5's global heap (docs/SECURITY.md)."""
+
+
+def read_hdf5_attrs(obj: Any, where: str, limits: Mapping[str, int] | None = None,
+                    ours: Container[str] | None = None) -> dict[str, Any]:
     """Attributes of an h5py object, each checked for type and size (at most
     :data:`MAX_ATTR_BYTES`, or ``limits[name]``) *before* it is read."""
     import h5py
@@ -48,6 +61,8 @@ def read_hdf5_attrs(obj: Any, where: str, limits: Mapping[str, int] | None = Non
         raise UnsafeFileError(f"{where}: {len(names)} attributes (limit {MAX_ATTRS})")
     out: dict[str, Any] = {}
     for name in names:
+        if ours is not None and name not in ours:
+            continue  # another tool's attribute (an analyst's note): never read, ROOT_ATTRS
         try:
             aid = obj.attrs.get_id(name)
             shape, dtype = aid.shape, aid.dtype

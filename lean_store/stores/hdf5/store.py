@@ -61,7 +61,7 @@ from .blosc import (
     read_blosc_region,
     set_blosc,
 )
-from .checks import check_hdf5_present, read_hdf5_attrs
+from .checks import ROOT_ATTRS, check_hdf5_present, read_hdf5_attrs
 from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
 from .deflate import DeflateChunks
 from .files import close_written, open_file, open_for_writing
@@ -565,7 +565,8 @@ class HDF5Reader(StoreReader):
             # large as the file that holds them
             self._root_limit = root_attr_limit(_file_size(self._file))
             self.root_attrs = read_hdf5_attrs(
-                self._file, str(source), dict.fromkeys(GROWING_ROOT_ATTRS, self._root_limit))
+                self._file, str(source), dict.fromkeys(GROWING_ROOT_ATTRS, self._root_limit),
+                ours=ROOT_ATTRS)
             # parsed on first use, after the header checks (parse_root) passed
             self._manifest_text = self.root_attrs.pop(MANIFEST_ATTR, None)
             self._digest_table = self.root_attrs.pop(DIGESTS_ATTR, None)
