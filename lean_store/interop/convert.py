@@ -71,8 +71,9 @@ def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading
         return given
     p = Path(path)
     if reading:
-        if not p.exists():
-            raise CheckpointError(f"no file at {p}: the path does not exist")
+        from ..hardening import check_checkpoint_path
+
+        check_checkpoint_path(p, what="input")  # missing; a FIFO or device, never opened
         from .sharded_index import index_format, index_of, model_file_of
 
         index = index_of(p)

@@ -267,8 +267,9 @@ def test_special_files_are_refused_by_every_entry_point(special, capsys) -> None
     assert not report.ok and what in str(report)
     for args in (["inspect", str(path)], ["verify", str(path)],
                  ["convert", str(path), str(path.with_name("out.safetensors"))],
-                 ["convert", str(path), str(path.with_name("out.zarr")), "--from", "hdf5"]):
-        if what == "FIFO" and args[0] == "convert":  # in a child: the old code blocked here
+                 ["convert", str(path), str(path.with_name("out.zarr")), "--from", "hdf5"],
+                 ["diff", str(path), str(path)]):
+        if what == "FIFO" and args[0] in ("convert", "diff"):  # in a child: old code blocked
             done = _cli(*args)
         else:
             done = _main(capsys, *args)
