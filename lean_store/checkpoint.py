@@ -30,6 +30,7 @@ from .errors import (
     CheckpointReplacedError,
     FormatError,
     IntegrityError,
+    LayoutError,
     TensorNotFoundError,
 )
 from .fork_safe import ForkSafeLock
@@ -679,6 +680,28 @@ def expected_with_casts(
     return Layout.from_specs(specs)
 
 
+def check_layout(stored: Layout, expected: Layout, **options: Any) -> None:
+    """``stored.check(expected)``, the error saying how to convert on purpose (``cast=``)
+    where only formats stand in the way of some tensors: never done silently, and a model
+    kept in bfloat16 loaded from float32 weights would otherwise leave the user guessing."""
+    diffs = stored.diff(expected, **options)
+    if not diffs:
+        return
+    error = layout_error(diffs)
+    wanted = {d.name: expected[d.name].format.tag for d in diffs
+              if d.kind == "format" and d.name is not None and d.name in expected}
+    if not wanted:
+        raise error
+    shown = dict(list(wanted.items())[:2])
+    example = ", ".join(f"{n!r}: {t!r}" for n, t in shown.items())
+    more = ", ..." if len(wanted) > len(shown) else ""
+    raise LayoutError(
+        f"{error}\nFormats are never converted silently: to load "
+        f"{'this tensor' if len(wanted) == 1 else f'these {len(wanted)} tensors'} converted to "
+        f"the target's format, pass cast={{{example}{more}}} (name: format; the names are in "
+        "this error's .differences, kind 'format')", diffs)
+
+
 def _read_all(ck: Checkpoint, names: list[str], read: Callable[[str], T]) -> dict[str, T]:
     """``{name: read(name)}``: a tensor read, checked and decompressed while the next one is
     (:mod:`lean_store.read_ahead`); a remote store's reads stay on this thread."""
@@ -722,7 +745,7 @@ def load(
         target_layout = Layout.from_specs(
             [(n, t.entry.shape, t.entry.format) for n, t in targets.items()])
         expected = expected_with_casts(ck.layout, target_layout, respelled(casts, spelling))
-        ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
+        check_layout(ck.layout, expected, allow_missing=not strict, allow_extra=not strict,
                         order_matters=strict_order)
         result = LoadResult(
             missing=[n for n in expected.names() if n not in ck.layout],
@@ -877,7 +900,7 @@ def _state_of(
         casts = respelled(casts, spelling)
         own_names = {stored: name for name, stored in spelling.items()}
         expected = expected_with_casts(ck.layout, like_layout, casts)
-        ck.layout.check(expected, allow_missing=not strict, allow_extra=not strict,
+        check_layout(ck.layout, expected, allow_missing=not strict, allow_extra=not strict,
                         order_matters=strict_order)
         wanted = {e.name: like_layout[e.name].format for e in expected if e.name in ck.layout}
     else:

@@ -333,3 +333,25 @@ def test_a_checkpointer_on_a_file_says_so(tmp_path) -> None:
         with pytest.raises(ls.CheckpointError, match="is a file"):
             ls.Checkpointer(where)
     assert (tmp_path / "ck.h5").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_format_mismatch_says_how_to_cast_on_purpose(tmp_path, suffix) -> None:
+    """A model kept in bfloat16 (or a float16 array) loaded from float32 weights is refused
+    (never a silent cast); the error now shows the cast= that loads it on purpose, and the
+    names it needs are those of its differences of kind 'format'."""
+    path = tmp_path / f"w{suffix}"
+    ls.save({"w": W[:4], "i": np.arange(3)}, path)
+    target = {"w": np.zeros((4, 1000), np.float16), "i": np.zeros(3, np.int64)}
+    with pytest.raises(ls.LayoutError) as info:
+        ls.load(target, path)
+    assert "never converted silently" in str(info.value)
+    assert "cast={'w': 'float16'}" in str(info.value)
+    assert not target["w"].any()
+    cast = {d.name: "float16" for d in info.value.differences if d.kind == "format"}
+    ls.load(target, path, cast=cast)
+    assert target["w"].tobytes() == W[:4].astype(np.float16).tobytes()
+    # without format differences the error is as before
+    with pytest.raises(ls.LayoutError) as info:
+        ls.load({"w": np.zeros((5, 1000), np.float32), "i": np.zeros(3, np.int64)}, path)
+    assert "cast=" not in str(info.value)
