@@ -239,9 +239,10 @@ def unsupported_entry(name: str, value: Any, state: Mapping[str, Any]) -> str | 
         if value.device.type == "meta":
             return (
                 f"state entry {name!r} is a meta tensor: it has a shape but no data. Save a "
-                "materialized model; to load into meta tensors, pass the module that holds "
-                "them to lean_store.load (which gives them CPU memory), or use "
-                "lean_store.load_state(path, like=module) and load_state_dict(..., assign=True)"
+                "materialized model. To load into meta tensors: lean_store.load into the module "
+                "that holds them gives them CPU memory (one process), as does "
+                "load_state_dict(lean_store.load_state(path, like=module), assign=True); a "
+                "sharded load needs them materialized first (module.to_empty(device=...))"
             )
         return None
     if isinstance(value, (np.ndarray, Encoded)):

@@ -199,3 +199,38 @@ def test_meta_tensors_cannot_be_saved_or_loaded_into_a_dict(tmp_path: Path) -> N
     with pytest.raises(ls.UnsupportedValueError, match="meta tensor"):
         ls.load(target, path)
     assert target["w"].is_meta
+
+
+SHARDED_CHILD = """
+import sys, torch, torch.distributed as dist
+import lean_store as ls
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[1])
+path = sys.argv[2]
+ls.save(torch.nn.Linear(3, 2), path, process_group=dist.group.WORLD)
+with torch.device("meta"):
+    meta = torch.nn.Linear(3, 2)
+try:
+    ls.load(meta, path, process_group=dist.group.WORLD)
+    print("loaded")
+except ls.UnsupportedValueError as exc:
+    print("refused:", exc, "| meta:", meta.weight.is_meta)
+dist.destroy_process_group()
+"""
+
+
+def test_a_sharded_load_into_meta_tensors_is_refused_saying_so(tmp_path: Path) -> None:
+    """A sharded load does not give meta tensors memory (FSDP2 materializes them with
+    ``to_empty`` first); it refuses them, saying what to do (one gloo rank, in a child)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", SHARDED_CHILD, str(tmp_path / "init"), str(tmp_path / "s.h5")],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert "refused:" in done.stdout, done.stdout + done.stderr
+    assert "sharded load needs them materialized" in done.stdout
+    assert "| meta: True" in done.stdout
