@@ -98,13 +98,30 @@ def load_object(path: str | os.PathLike) -> Any:
                 raise
             obj = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - torch raises many types; all mean "not loadable"
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
-        raise IntegrityError(
-            f"{path}: torch.load(weights_only=True) refused it ({type(exc).__name__}: {first}). "
-            "lean_store never loads arbitrary pickles."
-        ) from None
+        raise IntegrityError(_refusal(path, exc)) from None
     return obj
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def _refusal(path: str | os.PathLike, exc: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused ``path``, in one line: the class a pickled
+    object needs (a whole ``nn.Module``, a custom or numpy object) and what to do if the file
+    is trusted; else the first line of torch's message, without its terminal colours."""
+    text = _ANSI.sub("", str(exc)).strip()
+    found = _GLOBAL.search(text)
+    if found is not None:
+        return (f"{path}: holds a pickled {found.group(1)}, which torch.load(weights_only=True) "
+                "does not rebuild (unpickling it could run code; lean_store never loads "
+                "arbitrary pickles). If you trust the file, load it yourself with "
+                "torch.load(path, weights_only=False) and save its tensors (a module's "
+                "state_dict()) with lean_store.save")
+    detail = text.split("WeightsUnpickler error:", 1)[-1].strip()  # what it stumbled on
+    first = detail.splitlines()[0] if detail else type(exc).__name__
+    return (f"{path}: torch.load(weights_only=True) refused it ({type(exc).__name__}: {first}). "
+            "lean_store never loads arbitrary pickles.")
 
 
 def archive_name(path: str | os.PathLike) -> str | None:

@@ -182,6 +182,25 @@ def test_torch_pickle_with_code_is_refused_never_run(tmp_path: Path) -> None:
 
 
 @needs_torch
+def test_a_pickled_whole_model_is_refused_saying_what_it_holds(tmp_path: Path) -> None:
+    """``torch.save(model)`` (the whole module, common in older code): refused, naming the
+    class the pickle needs and what to do with a trusted file; torch's message came through
+    as its first line, cut before its advice and with its terminal colour codes."""
+    torch.save(torch.nn.Sequential(torch.nn.Linear(3, 2)), tmp_path / "whole.pt")
+    with pytest.raises(IntegrityError) as info:
+        convert(tmp_path / "whole.pt", tmp_path / "w.h5")
+    message = str(info.value)
+    assert "holds a pickled torch.nn.modules.container.Sequential" in message
+    assert "weights_only=False" in message and "state_dict()" in message
+    assert "\x1b" not in message and "\n" not in message
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(IntegrityError) as info:
+        convert(tmp_path / "junk.pt", tmp_path / "j.h5")
+    assert "weights_only=True) refused it" in str(info.value)
+    assert "\x1b" not in str(info.value) and "will likely succeed" not in str(info.value)
+
+
+@needs_torch
 def test_torch_file_that_is_not_a_state_dict_is_refused(tmp_path: Path) -> None:
     torch.save({"w": torch.zeros(2), "step": 3}, tmp_path / "mixed.pt")
     # a checkpoint dict (tests/interop/test_torch_checkpoint_dict.py): tensors only for
