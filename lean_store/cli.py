@@ -110,6 +110,8 @@ def _compression(storage: StorageDescription) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from . import checkpoint
 
+    _lean_store_path(args.checkpoint)
+
     with checkpoint.open(args.checkpoint) as ck:
         rows: list[dict[str, Any]] = []
         for entry in ck.layout:
@@ -196,14 +198,33 @@ def _summary(tree: Any, limit: int = 300) -> str:
 # ---------------------------------------------------------------------------------- verify
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    if "://" not in args.checkpoint:
-        from .hardening import check_checkpoint_path
+def _lean_store_path(path: str) -> None:
+    """A usage error, not damaged data, for a path that holds no lean_store checkpoint: a
+    missing path, a FIFO, a device, a dangling link, or a file of another format that
+    ``convert`` and ``diff`` read (safetensors, torch, TorchLean, a Hugging Face model
+    directory), saying which commands do."""
+    if "://" in path:
+        return
+    from .hardening import check_checkpoint_path
+    from .interop.convert import format_of_path
 
-        try:  # missing, a FIFO, a device, a dangling link: a usage error, not damaged data
-            check_checkpoint_path(args.checkpoint)
-        except CheckpointError as exc:
-            raise UsageError(str(exc)) from None
+    try:
+        check_checkpoint_path(path)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        fmt = format_of_path(path, reading=True)
+    except CheckpointError:
+        return  # not recognised: opening it says why
+    if fmt not in ("hdf5", "zarr"):
+        raise UsageError(
+            f"{path} is {'an' if fmt[0] in 'aeiou' else 'a'} {fmt} file, not a lean_store "
+            f"checkpoint: 'lean-store diff' compares it with a checkpoint or another file, and "
+            f"'lean-store convert {path} OUT.h5' makes a checkpoint of it (exact bits)")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    _lean_store_path(args.checkpoint)
     from .inspection.verify import verify
 
     report = verify(args.checkpoint)

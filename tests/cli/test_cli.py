@@ -92,6 +92,24 @@ def test_inspect_foreign_hdf5_is_a_problem(capsys: pytest.CaptureFixture, tmp_pa
     assert code == 1 and "not a lean_store checkpoint" in err
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_inspect_and_verify_of_another_format_say_which_commands_read_it(
+        capsys: pytest.CaptureFixture, tmp_path: Path, command: str) -> None:
+    """A safetensors file (or a Hugging Face model directory of one) is no checkpoint to
+    inspect or verify: a usage error (2) naming what it is and the commands that read it.
+    Before: "not a lean_store checkpoint (no HDF5 signature ...)", and verify called it BAD."""
+    from safetensors.numpy import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": np.zeros(3, np.float32)}, str(model / "model.safetensors"))
+    for path in (model / "model.safetensors", model):
+        code, out, err = run(capsys, command, path)
+        assert code == 2 and "BAD" not in out, (out, err)
+        assert "is a safetensors file, not a lean_store checkpoint" in err
+        assert f"lean-store convert {path} OUT.h5" in err and "Traceback" not in err
+
+
 def test_verify_ok_and_corrupt_chunk(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     path = tmp_path / "big.h5"
     ls.save({"a": np.zeros(8, np.float32), "big": np.arange(8192, dtype=np.float32)}, path,
