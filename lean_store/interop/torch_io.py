@@ -115,9 +115,9 @@ def _refusal(path: str | os.PathLike, exc: Exception) -> str:
     if found is not None:
         return (f"{path}: holds a pickled {found.group(1)}, which torch.load(weights_only=True) "
                 "does not rebuild (unpickling it could run code; lean_store never loads "
-                "arbitrary pickles). If you trust the file, load it yourself with "
-                "torch.load(path, weights_only=False) and save its tensors (a module's "
-                "state_dict()) with lean_store.save")
+                "arbitrary pickles). If you trust the file, load it yourself (torch.load "
+                "with weights_only=False) and save its tensors (a module's state_dict()) "
+                "with lean_store.save")
     detail = text.split("WeightsUnpickler error:", 1)[-1].strip()  # what it stumbled on
     first = detail.splitlines()[0] if detail else type(exc).__name__
     return (f"{path}: torch.load(weights_only=True) refused it ({type(exc).__name__}: {first}). "
