@@ -14,7 +14,7 @@ back and nothing is installed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -60,8 +60,12 @@ class MetaTarget(TargetTensor):
     (after the checkpoint is validated, before any target is written), then loaded as any
     CPU tensor."""
 
-    def __init__(self, entry: Entry, tensor: torch.Tensor) -> None:
+    def __init__(self, entry: Entry, tensor: torch.Tensor,
+                 loaded_as: Callable[[Entry, torch.Tensor], TargetTensor]) -> None:
+        """``loaded_as``: the target of a CPU tensor (``torch_source.TorchTarget``), which
+        loads it once it has memory."""
         self.entry = entry
+        self._loaded_as = loaded_as
         self._tensor = tensor
         self._meta: torch.Tensor | None = None  # what was swapped out, for undo()
         self._target: TargetTensor | None = None
@@ -82,9 +86,7 @@ class MetaTarget(TargetTensor):
                     f"({exc}): a view of it or another reference is held; drop it, or "
                     "materialize the module first (module.to_empty(device='cpu'))") from None
             self._meta = new  # now the meta tensor's contents
-        from .torch_source import TorchTarget
-
-        self._target = TorchTarget(self.entry, tensor)
+        self._target = self._loaded_as(self.entry, tensor)
 
     def undo(self) -> None:
         if self._meta is not None:

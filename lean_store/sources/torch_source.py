@@ -437,7 +437,7 @@ def torch_targets(obj: Any) -> dict[str, TargetTensor]:
     for entry in layout:
         value = state[entry.name]
         if entry.name in meta:
-            targets[entry.name] = MetaTarget(entry, meta[entry.name])
+            targets[entry.name] = MetaTarget(entry, meta[entry.name], TorchTarget)
         elif entry.name in lazy:
             targets[entry.name] = UninitializedTarget(entry, value)
         elif is_packed(value):
