@@ -681,25 +681,46 @@ def expected_with_casts(
 
 
 def check_layout(stored: Layout, expected: Layout, **options: Any) -> None:
-    """``stored.check(expected)``, the error saying how to convert on purpose (``cast=``)
-    where only formats stand in the way of some tensors: never done silently, and a model
-    kept in bfloat16 loaded from float32 weights would otherwise leave the user guessing."""
+    """``stored.check(expected)``, the error ending with what to do where the differences
+    are ones users meet with torch's own files: formats that a ``cast=`` converts on purpose
+    (never done silently: a model kept in bfloat16 loaded from float32 weights would
+    otherwise leave the user guessing), and BatchNorm counters old checkpoints lack."""
     diffs = stored.diff(expected, **options)
     if not diffs:
         return
     error = layout_error(diffs)
+    hints = [hint for hint in (_cast_hint(diffs, expected), _counter_hint(diffs)) if hint]
+    if hints:
+        raise LayoutError("\n".join([str(error), *hints]), diffs)
+    raise error
+
+
+def _cast_hint(diffs: list[Difference], expected: Layout) -> str | None:
     wanted = {d.name: expected[d.name].format.tag for d in diffs
               if d.kind == "format" and d.name is not None and d.name in expected}
     if not wanted:
-        raise error
+        return None
     shown = dict(list(wanted.items())[:2])
     example = ", ".join(f"{n!r}: {t!r}" for n, t in shown.items())
     more = ", ..." if len(wanted) > len(shown) else ""
-    raise LayoutError(
-        f"{error}\nFormats are never converted silently: to load "
-        f"{'this tensor' if len(wanted) == 1 else f'these {len(wanted)} tensors'} converted to "
-        f"the target's format, pass cast={{{example}{more}}} (name: format; the names are in "
-        "this error's .differences, kind 'format')", diffs)
+    return (f"Formats are never converted silently: to load "
+            f"{'this tensor' if len(wanted) == 1 else f'these {len(wanted)} tensors'} converted "
+            f"to the target's format, pass cast={{{example}{more}}} (name: format; the names "
+            "are in this error's .differences, kind 'format')")
+
+
+COUNTER = "num_batches_tracked"
+
+
+def _counter_hint(diffs: list[Difference]) -> str | None:
+    missing = [d.name for d in diffs if d.kind == "missing"]
+    if not missing or not all(n is not None and n.rsplit(".", 1)[-1] == COUNTER
+                              for n in missing):
+        return None
+    return (f"The missing tensors are BatchNorm counters ({COUNTER}), which checkpoints "
+            "written before torch 0.4.1 and files converted from them lack (torch's "
+            "load_state_dict sets them to 0 for such files): load with strict=False to load "
+            "the rest, each counter keeping its value (0 in a new model)")
 
 
 def _read_all(ck: Checkpoint, names: list[str], read: Callable[[str], T]) -> dict[str, T]:

@@ -355,3 +355,24 @@ def test_a_format_mismatch_says_how_to_cast_on_purpose(tmp_path, suffix) -> None
     with pytest.raises(ls.LayoutError) as info:
         ls.load({"w": np.zeros((5, 1000), np.float32), "i": np.zeros(3, np.int64)}, path)
     assert "cast=" not in str(info.value)
+
+
+def test_missing_batchnorm_counters_say_what_they_are(tmp_path) -> None:
+    """Checkpoints written before torch 0.4.1 (and files converted from them) lack BatchNorm's
+    num_batches_tracked, which torch's load_state_dict fills in for them; the refusal says so
+    and that strict=False loads the rest. Any other missing tensor keeps the plain error."""
+    path = tmp_path / "old.h5"
+    ls.save({"bn.weight": np.ones(4, np.float32), "bn.running_mean": np.zeros(4, np.float32)},
+            path)
+    target = {"bn.weight": np.zeros(4, np.float32), "bn.running_mean": np.ones(4, np.float32),
+              "bn.num_batches_tracked": np.zeros((), np.int64)}
+    with pytest.raises(ls.LayoutError, match="BatchNorm counters") as info:
+        ls.load(target, path)
+    assert "strict=False" in str(info.value) and target["bn.weight"].sum() == 0
+    with pytest.warns(UserWarning, match="num_batches_tracked"):
+        result = ls.load(target, path, strict=False)
+    assert result.missing == ["bn.num_batches_tracked"] and target["bn.weight"].sum() == 4
+    target["other"] = np.zeros(2, np.float32)
+    with pytest.raises(ls.LayoutError) as info:
+        ls.load(target, path)
+    assert "BatchNorm" not in str(info.value)
