@@ -425,14 +425,15 @@ def torch_targets(obj: Any) -> dict[str, TargetTensor]:
     the module's own memory is refused."""
     state = state_dict_of(obj)
     module = unwrapped(obj)
-    meta = meta_entries(module, state)  # given memory by the load (sources/meta_tensors.py)
-    lazy = {n for n, v in state.items() if is_uninitialized(v)} | set(meta)
-    check_entries({n: v for n, v in state.items() if n not in lazy})
+    lazy = {n for n, v in state.items() if is_uninitialized(v)}
+    meta = meta_entries(module, state)  # see sources/meta_tensors.py
+    memoryless = lazy | set(meta)  # given memory by the load
+    check_entries({n: v for n, v in state.items() if n not in memoryless})
     extra = owners_in(module, state)
     if isinstance(module, torch.nn.Module):
-        check_own_memory(module, {n: v for n, v in state.items() if n not in lazy}, extra)
-    layout = Layout.from_specs([(n, () if n in lazy and n not in meta else _entry_shape(v),
-                                 _entry_format(n, v)) for n, v in state.items()])
+        check_own_memory(module, {n: v for n, v in state.items() if n not in memoryless}, extra)
+    layout = Layout.from_specs([(n, () if n in lazy else _entry_shape(v), _entry_format(n, v))
+                                for n, v in state.items()])
     targets: dict[str, TargetTensor] = {}
     for entry in layout:
         value = state[entry.name]
