@@ -113,8 +113,14 @@ def check_names(names: Iterable[str]) -> None:
         folded = name.casefold()
         if folded in seen:
             other = seen[folded]
-            what = "duplicate" if other == name else "case-colliding"
-            problems.append(f"{what} tensor names {other!r} and {name!r}")
+            if other == name:
+                problems.append(f"duplicate tensor names {other!r} and {name!r}")
+            else:
+                problems.append(
+                    f"tensor names {other!r} and {name!r} differ only in letter case: on a "
+                    "case-insensitive file system (macOS, Windows) they are one Zarr array "
+                    "directory, so they are refused for every backend (every checkpoint "
+                    "converts between them); save the state with one of them renamed")
         seen[folded] = name
     if problems:
         raise LayoutError("unsafe tensor names:\n" + listing(problems))
