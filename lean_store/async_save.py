@@ -215,9 +215,12 @@ def start(
     extra_root: dict[str, Any] | None = None,
     backend: str | None = None,
     options: SaveOptions,
+    around: Callable[[Callable[[], Layout]], Layout] | None = None,
 ) -> SaveHandle:
     """Snapshot ``obj`` (``options.snapshot``) and save it in a background thread; returns a
     :class:`SaveHandle`. The API layer (:func:`lean_store.save` with ``blocking=False``) calls it.
+    ``around``: runs the write in the background thread (``around(write)``) and what it does
+    after it is part of the save (a Checkpointer's pruning).
 
     Bad input (names, formats, backend, a missing directory, a target that is not a lean_store
     checkpoint) raises here, before any thread starts; write errors are raised by
@@ -241,7 +244,7 @@ def start(
         return write_source(frozen, path, kind=kind, backend=backend, options=options,
                             extra_root=extra_root)
 
-    return SaveHandle(path, run)
+    return SaveHandle(path, run if around is None else lambda: around(run))
 
 
 __all__ = ["SaveHandle", "start"]

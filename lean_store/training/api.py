@@ -148,6 +148,16 @@ def _check_parts(how: dict[str, Any]) -> None:
                               f"{type(generators).__name__}")
 
 
+def captured_training(**build: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A single process's training state as :func:`save_training` takes it, captured now
+    (the tensors by reference, the RNG states and plain data copied): ``(tensors,
+    root attributes)`` for :func:`lean_store.async_save.start` (a Checkpointer's background
+    save). The keywords are :func:`save_training`'s parts (``model``, ``optimizer``, ...)."""
+    build = dict(names_model=build.get("model"), **build)
+    _check_parts(build)
+    return single_training_state(**build)
+
+
 def _save(path: Any, kind: str, build: dict[str, Any], *, backend: str | None,
           process_group: Any, blocking: bool, options: SaveOptions) -> Layout | SaveHandle:
     _check_parts(build)

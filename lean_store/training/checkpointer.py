@@ -30,11 +30,12 @@ import re
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from ..async_save import SaveHandle, start
 from ..distributed.collective import on_rank0
 from ..errors import CheckpointError, ForeignPathError, IntegrityError, SaveIOError
 from ..options import SaveOptions, merge_options
@@ -43,12 +44,13 @@ from ..stores.leftovers import writer_gone
 from ..stores.registry import BACKENDS, backend_record, checkpoint_path
 from ..stores.target import check_replaceable
 from ..stores.zarr.incremental import Described, IncrementalStats, linking_from
-from .api import load_training, save_training, step_number
+from .api import captured_training, load_training, save_training, step_number
 from .state import SCHEDULED, TrainingInfo
 
 _SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
 _STEP = re.compile(r"^step_(\d{1,19})\.(h5|zarr)$")
 _LEFTOVER = re.compile(r"^\.step_\d{1,19}\.(h5|zarr)\.lean_store-(tmp|old|dead)-[0-9a-f]+$")
+T = TypeVar("T")
 MAX_DELETING = 2
 """Dropped steps whose files may be being removed in the background at once (bounds the disk
 space a fast run of saves can hold in removed steps)."""
@@ -110,8 +112,8 @@ class Checkpointer:
             options, chunk_bytes=chunk_bytes, compression=compression, checksum=checksum,
             progress=progress, buffer_bytes=buffer_bytes, storage_options=storage_options)
         if self.options.snapshot != SaveOptions().snapshot:
-            raise CheckpointError("save option snapshot is not supported by Checkpointer: "
-                                  "its saves block (the step is committed before pruning)")
+            raise CheckpointError("save option snapshot is not a Checkpointer's: pass it to a "
+                                  "save with blocking=False (a blocking save copies nothing)")
         # anchored now: a later chdir moves no step
         self.directory = Path(at_call_time(checkpoint_path(directory)))
         self.keep_last = keep_last
@@ -123,6 +125,7 @@ class Checkpointer:
         self.last_save_stats: IncrementalStats | None = None
         """Written and linked unit-file bytes of the last save, when it had a step to link to."""
         self._described: Described | None = None  # the last incremental save's arrays
+        self._pending: SaveHandle | None = None  # the background save running, if any
         if create:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -173,44 +176,89 @@ class Checkpointer:
     def save(self, step: int, *, model: Any, optimizer: Any = None, scheduler: Any = None,
              rng: bool = True, data: Any = None, extra: Any = None,
              generators: Mapping[str, Any] | None = None, overwrite: bool = False,
+             blocking: bool = True, snapshot: str | None = None,
              options: SaveOptions | None = None, chunk_bytes: int | None = None,
              compression: Any = None, checksum: str | None = None, progress: Any = None,
              buffer_bytes: int | None = None,
-             storage_options: dict[str, Any] | None = None, scaler: Any = None) -> Path:
-        """Write ``step`` atomically, then drop the oldest steps beyond ``keep_last``.
-        Save options: the Checkpointer's, with this call's keywords (``compression=``,
-        ``chunk_bytes=``, ...) overriding them, or this call's ``options`` instead."""
+             storage_options: dict[str, Any] | None = None,
+             scaler: Any = None) -> Path | SaveHandle:
+        """Write ``step`` atomically, then drop the oldest steps beyond ``keep_last``; returns
+        the step's path. Save options: the Checkpointer's, with this call's keywords
+        (``compression=``, ``chunk_bytes=``, ...) overriding them, or this call's ``options``
+        instead.
+
+        ``blocking=False``: everything is captured now (tensors copied as ``snapshot`` says,
+        as for :func:`lean_store.save`), and the step is written and the old steps dropped in
+        the background; returns a :class:`~lean_store.SaveHandle` (``.path`` is the step's).
+        One background save runs at a time: the next ``save``, ``restore``,
+        ``discard_after`` or :meth:`wait` waits for it first, and raises its error if it
+        failed. Until it commits, ``steps()`` and ``latest()`` do not list it."""
+        self.wait()
         opts = merge_options(options, self.options, chunk_bytes=chunk_bytes,
                              compression=compression, checksum=checksum, progress=progress,
-                             buffer_bytes=buffer_bytes, storage_options=storage_options)
+                             buffer_bytes=buffer_bytes, snapshot=snapshot,
+                             storage_options=storage_options)
         comm = self._comm(model, optimizer)
         if comm is not None:
+            if not blocking:
+                raise CheckpointError("blocking=False is not supported by a sharded "
+                                      "Checkpointer (process_group) yet: save with blocking=True")
             return self._save_sharded(comm, step, model=model, optimizer=optimizer,
                                       scheduler=scheduler, rng=rng, data=data, extra=extra,
                                       generators=generators, overwrite=overwrite,
                                       options=opts, scaler=scaler)
         step = _check_step(step)
+        parts = dict(model=model, optimizer=optimizer, scheduler=scheduler, step=step, rng=rng,
+                     data=data, extra=extra, generators=generators, scaler=scaler)
+        if not blocking:
+            tensors, extra_root = captured_training(**parts)  # before any refusal below
         path, existing = self._place(step, overwrite)
+        if blocking:
+            self._commit_step(path, existing, lambda: save_training(
+                path, backend=self.backend, options=opts, **parts))
+            return path
+        self._pending = start(tensors, path, kind="training", extra_root=extra_root,
+                              backend=self.backend, options=opts,
+                              around=lambda write: self._commit_step(path, existing, write))
+        return self._pending
+
+    def wait(self, timeout: float | None = None) -> Path | None:
+        """Wait for the background save (``save(..., blocking=False)``) still running, if
+        any, and its pruning; re-raise its error if it failed. Returns its step's path (None
+        when there was none)."""
+        pending = self._pending
+        if pending is None:
+            return None
+        try:
+            pending.wait(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as exc:
+            self._pending = None
+            exc.add_note(f"(the background save of {pending.path.name} in {self.directory})")
+            raise
+        self._pending = None
+        return pending.path
+
+    def _commit_step(self, path: Path, existing: Path | None, write: Callable[[], T]) -> T:
+        """``write()`` (the step's save to ``path``), linking to the previous step when
+        incremental; then the checkpoint it replaced and the steps beyond ``keep_last`` are
+        dropped."""
         if self.incremental:
             base = self._base()
             self._described, described = None, self._described
             with linking_from(base, described) as linking:
-                save_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
-                              step=step, rng=rng, data=data, extra=extra,
-                              generators=generators, backend=self.backend, options=opts,
-                              scaler=scaler)
+                written = write()
             # the next step links to this one: its arrays as written, no document reread
             self._described = linking.described(path)
             self.last_save_stats = linking.stats if base is not None else None
         else:
-            save_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
-                          step=step, rng=rng, data=data, extra=extra, generators=generators,
-                          backend=self.backend, options=opts, scaler=scaler)
+            written = write()
             self.last_save_stats = None
         if existing is not None and existing != path:
             self._remove(existing)
         self._prune(keep=path)
-        return path
+        return written
 
     def _place(self, step: int, overwrite: bool) -> tuple[Path, Path | None]:
         """Where ``step`` goes and the committed checkpoint it replaces (None for a new step),
@@ -244,6 +292,7 @@ class Checkpointer:
         pruning removes a step (renamed aside at once, deleted in the background); returns
         the steps removed. In a sharded run, call it on one process."""
         step = _check_step(step)
+        self.wait()
         removed = []
         for later, path in sorted(self._entries().items()):
             if later > step:
@@ -341,10 +390,13 @@ class Checkpointer:
         state = dict(self.__dict__)
         state["_deleter"] = None
         state["_deleting"] = {}
+        state["_pending"] = None
         return state
 
     def finish_deletions(self) -> None:
-        """Wait until the files of every step this Checkpointer dropped are removed."""
+        """Wait until the files of every step this Checkpointer dropped are removed (after
+        a background save still running, whose pruning may drop more)."""
+        self.wait()
         for future in list(self._deleting.values()):
             future.result()
         self._deleting.clear()
@@ -390,7 +442,9 @@ class Checkpointer:
                 scheduler: Any = None, data: Any = None, rng: bool = True,
                 generators: Mapping[str, Any] | None = None,
                 scheduled: Any = SCHEDULED, scaler: Any = None) -> TrainingInfo:
-        """Restore ``step`` (default: the latest) in place; see :func:`load_training`."""
+        """Restore ``step`` (default: the latest) in place; see :func:`load_training`. A
+        background save still running is waited for first (its error raised)."""
+        self.wait()
         comm = self._comm(model, optimizer)
         if comm is not None:  # rank 0 chooses the step, so every rank loads the same one
             path = on_rank0(comm, lambda: str(self._find(step)))
