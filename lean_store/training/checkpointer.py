@@ -83,7 +83,7 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = None,
-                 backend: str = "hdf5", create: bool = True,
+                 keep_every: int | None = None, backend: str = "hdf5", create: bool = True,
                  process_group: Any = None, incremental: bool = False,
                  options: SaveOptions | None = None,
                  chunk_bytes: int | None = None, compression: Any = None,
@@ -104,10 +104,11 @@ class Checkpointer:
         if incremental and process_group is not None:
             raise CheckpointError("incremental=True is not supported for sharded (process_group)"
                                   " runs yet")
-        if keep_last is not None and (
-            not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
-        ):
-            raise CheckpointError(f"keep_last must be a positive int or None, got {keep_last!r}")
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise CheckpointError(f"{name} must be a positive int or None, got {value!r}")
         self.options = merge_options(
             options, chunk_bytes=chunk_bytes, compression=compression, checksum=checksum,
             progress=progress, buffer_bytes=buffer_bytes, storage_options=storage_options)
@@ -117,6 +118,7 @@ class Checkpointer:
         # anchored now: a later chdir moves no step
         self.directory = Path(at_call_time(checkpoint_path(directory)))
         self.keep_last = keep_last
+        self.keep_every = keep_every
         self.backend = backend
         self.process_group = process_group
         self.incremental = bool(incremental)
@@ -343,7 +345,8 @@ class Checkpointer:
 
     def _prune(self, keep: Path) -> None:
         """Drop the lowest steps beyond ``keep_last``, never ``keep`` (the step just saved:
-        with later steps in the directory it may be the lowest)."""
+        with later steps in the directory it may be the lowest) nor a multiple of
+        ``keep_every`` (a milestone, kept as well as the last steps, not instead of them)."""
         if self.keep_last is None:
             return
         entries = self._entries()
@@ -354,6 +357,8 @@ class Checkpointer:
             if entries[step] == keep:
                 continue
             excess -= 1
+            if self.keep_every is not None and step % self.keep_every == 0:
+                continue  # a milestone: beyond keep_last, and kept
             try:
                 self._remove(entries[step])
             except FileNotFoundError:
@@ -482,6 +487,7 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, keep_last={self.keep_last}, "
+                f"keep_every={self.keep_every}, "
                 f"backend={self.backend!r}, incremental={self.incremental}, steps={self.steps()})")
 
 

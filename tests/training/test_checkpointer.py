@@ -258,3 +258,22 @@ def test_steps_counted_in_numpy_or_torch_integers(tmp_path, backend):
     info = ls.load_training(tmp_path / f"t.{'zarr' if backend == 'zarr' else 'h5'}",
                             model=model, optimizer=opt)
     assert info.step == 9 and type(info.step) is int
+
+
+def test_keep_every_keeps_milestones_besides_the_last_steps(tmp_path, backend):
+    """``keep_every=N`` (Orbax's EveryNSteps beside LatestN, a long run's milestones): the
+    multiples of N are never pruned, as well as (not instead of) the last keep_last steps."""
+    model, opt = _run()
+    _step(model, opt)
+    ck = ls.Checkpointer(tmp_path / "run", keep_last=2, keep_every=3, backend=backend)
+    kept = []
+    for step in range(1, 11):
+        ck.save(step, model=model, optimizer=opt, blocking=step % 2 == 0)
+        ck.wait()
+        kept.append(ck.steps())
+    assert kept[4] == [3, 4, 5] and kept[7] == [3, 6, 7, 8] and kept[9] == [3, 6, 9, 10]
+    ck.finish_deletions()
+    assert all(ls.verify(ck.path(s)).ok for s in ck.steps())
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ls.CheckpointError, match="keep_every must be a positive int"):
+            ls.Checkpointer(tmp_path / "other", keep_every=bad)
