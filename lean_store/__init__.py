@@ -40,6 +40,7 @@ from .training import (
     load_training,
     save_optimizer,
     save_training,
+    training_info,
 )
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "load_optimizer",
     "load_state",
     "load_training",
+    "training_info",
     "open",
     "save",
     "save_async",

@@ -218,6 +218,17 @@ def load_training(
                  scheduled=scheduled, process_group=process_group, scaler=scaler)
 
 
+def training_info(path: Any) -> TrainingInfo:
+    """What a training checkpoint says besides its tensors (its step, ``extra``, data
+    position, format), read without changing anything: no model, optimizer or global RNG
+    state is touched and no tensor is read (``load_training(path, model=None)`` restores the
+    global RNG states, ``rng=True`` being its default). For choosing a step by a metric kept
+    in ``extra``; a sharded checkpoint is read by one process."""
+    return load_single(path, stacklevel=3, model=None, names_model=None, optimizer=None,
+                       scheduler=None, data=None, rng=False, generators=None,
+                       scheduled=SCHEDULED, scaler=None)
+
+
 def _load(path: Any, *, process_group: Any, **how: Any) -> TrainingInfo:
     stacklevel = 4  # the warning points at the caller of load_training / load_optimizer
     _check_parts(how)
@@ -229,4 +240,5 @@ def _load(path: Any, *, process_group: Any, **how: Any) -> TrainingInfo:
     return load_single(path, stacklevel=stacklevel, **how)
 
 
-__all__ = ["load_optimizer", "load_training", "save_optimizer", "save_training"]
+__all__ = ["load_optimizer", "load_training", "save_optimizer", "save_training",
+           "training_info"]

@@ -44,7 +44,7 @@ from ..stores.leftovers import writer_gone
 from ..stores.registry import BACKENDS, backend_record, checkpoint_path
 from ..stores.target import check_replaceable
 from ..stores.zarr.incremental import Described, IncrementalStats, linking_from
-from .api import captured_training, load_training, save_training, step_number
+from .api import captured_training, load_training, save_training, step_number, training_info
 from .state import SCHEDULED, TrainingInfo
 
 _SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
@@ -472,6 +472,13 @@ class Checkpointer:
                 f"restore(step={older[-1]}, ...), then remove the damaged step with "
                 f"discard_after({older[-1]}) (or move it away) before saving the following "
                 "steps") from exc
+
+    def info(self, step: int | None = None) -> TrainingInfo:
+        """What ``step`` (default: the latest) says besides its tensors (its ``extra``, data
+        position, ...), read without changing anything (:func:`training_info`): to choose a
+        step by a metric kept in ``extra``."""
+        self.wait()
+        return training_info(self._find(step))
 
     def _find(self, step: int | None) -> Path:
         if step is None:

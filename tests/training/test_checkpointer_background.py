@@ -130,3 +130,28 @@ def test_a_background_step_is_committed_and_pruned_at_interpreter_exit(tmp_path:
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_0000000003.zarr"]
     assert ls.verify(tmp_path / "run" / "step_0000000003.zarr").ok
+
+
+def test_info_reads_a_step_without_changing_anything(tmp_path: Path, backend: str) -> None:
+    """Choosing a step by a metric kept in ``extra``: ``Checkpointer.info`` and
+    ``ls.training_info`` read a step's plain data without touching a model, an optimizer or
+    the global RNG states (``load_training(path, model=None)`` restored those, rng=True being
+    its default), and without reading its tensors."""
+    import random
+
+    ck = ls.Checkpointer(tmp_path / "run", backend=backend)
+    model, opt = _run()
+    for step, loss in ((10, 0.5), (20, 0.25), (30, 0.4)):
+        _step(model, opt)
+        ck.save(step, model=model, optimizer=opt, extra={"val_loss": loss},
+                data={"epoch": step // 10}, blocking=step != 20)
+    torch.manual_seed(1234)
+    before = torch.get_rng_state(), random.getstate()
+    best = min(ck.steps(), key=lambda s: ck.info(s).extra["val_loss"])
+    assert best == 20 and ck.info().step == 30 and ck.info(20).data == {"epoch": 2}
+    info = ls.training_info(ck.path(10))
+    assert (info.step, info.extra, info.rng_restored) == (10, {"val_loss": 0.5}, False)
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    with pytest.raises(ls.CheckpointError, match="not an optimizer or training checkpoint"):
+        ls.save({"w": torch.zeros(2)}, tmp_path / "plain.h5")
+        ls.training_info(tmp_path / "plain.h5")
