@@ -45,6 +45,7 @@ from ..stores.registry import BACKENDS, backend_record, checkpoint_path
 from ..stores.target import check_replaceable
 from ..stores.zarr.incremental import Described, IncrementalStats, linking_from
 from .api import captured_training, load_training, save_training, step_number, training_info
+from .best_steps import BestSteps
 from .state import SCHEDULED, TrainingInfo
 
 _SUFFIX = {"hdf5": ".h5", "zarr": ".zarr"}
@@ -83,7 +84,9 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = None,
-                 keep_every: int | None = None, backend: str = "hdf5", create: bool = True,
+                 keep_every: int | None = None, keep_best: int | None = None,
+                 metric: str | Callable[[TrainingInfo], float] | None = None,
+                 mode: str = "min", backend: str = "hdf5", create: bool = True,
                  process_group: Any = None, incremental: bool = False,
                  options: SaveOptions | None = None,
                  chunk_bytes: int | None = None, compression: Any = None,
@@ -92,7 +95,13 @@ class Checkpointer:
                  storage_options: dict[str, Any] | None = None) -> None:
         """``options`` (or the :class:`SaveOptions` keywords, e.g. ``compression=``) apply to
         every step; one ``save`` may override a field with its keyword, or all with its own
-        ``options``. Its saves block, so there is no ``snapshot``."""
+        ``options``; ``snapshot`` is a background save's (``save(..., blocking=False)``).
+
+        Pruning keeps the last ``keep_last`` steps (None: every step), the multiples of
+        ``keep_every`` and the ``keep_best`` best steps by ``metric`` (a key of the steps'
+        ``extra``, or a function of a step's :class:`TrainingInfo`; ``mode`` ``"min"`` or
+        ``"max"``): a step is kept when any of them keeps it. ``keep_best`` without
+        ``keep_last`` keeps the latest step too (a run resumes from it)."""
         if backend not in BACKENDS:
             raise CheckpointError(f"unknown backend {backend!r}; use one of {BACKENDS}")
         if incremental and not backend_record(backend).incremental:
@@ -117,6 +126,12 @@ class Checkpointer:
                                   "save with blocking=False (a blocking save copies nothing)")
         # anchored now: a later chdir moves no step
         self.directory = Path(at_call_time(checkpoint_path(directory)))
+        if keep_best is None and (metric is not None or mode != "min"):
+            raise CheckpointError("metric= and mode= rank the steps for keep_best=N, which "
+                                  "was not given")
+        self._best = None if keep_best is None else BestSteps(keep_best, metric, mode)
+        if keep_best is not None and keep_last is None:
+            keep_last = 1  # the step a run resumes from, whatever its metric
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.backend = backend
@@ -345,20 +360,23 @@ class Checkpointer:
 
     def _prune(self, keep: Path) -> None:
         """Drop the lowest steps beyond ``keep_last``, never ``keep`` (the step just saved:
-        with later steps in the directory it may be the lowest) nor a multiple of
-        ``keep_every`` (a milestone, kept as well as the last steps, not instead of them)."""
+        with later steps in the directory it may be the lowest), a multiple of ``keep_every``
+        (a milestone) nor one of the ``keep_best`` best: those are kept as well as the last
+        steps, not instead of them."""
         if self.keep_last is None:
             return
         entries = self._entries()
         excess = len(entries) - self.keep_last
+        best = set() if self._best is None or excess <= 0 else self._best.of(entries,
+                                                                             training_info)
         for step in sorted(entries):
             if excess <= 0:
                 break
             if entries[step] == keep:
                 continue
             excess -= 1
-            if self.keep_every is not None and step % self.keep_every == 0:
-                continue  # a milestone: beyond keep_last, and kept
+            if step in best or (self.keep_every is not None and step % self.keep_every == 0):
+                continue  # one of the best, or a milestone: beyond keep_last, and kept
             try:
                 self._remove(entries[step])
             except FileNotFoundError:
@@ -495,6 +513,7 @@ class Checkpointer:
     def __repr__(self) -> str:
         return (f"Checkpointer({str(self.directory)!r}, keep_last={self.keep_last}, "
                 f"keep_every={self.keep_every}, "
+                f"keep_best={None if self._best is None else self._best.keep}, "
                 f"backend={self.backend!r}, incremental={self.incremental}, steps={self.steps()})")
 
 

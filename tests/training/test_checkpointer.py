@@ -277,3 +277,34 @@ def test_keep_every_keeps_milestones_besides_the_last_steps(tmp_path, backend):
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ls.CheckpointError, match="keep_every must be a positive int"):
             ls.Checkpointer(tmp_path / "other", keep_every=bad)
+
+
+def test_keep_best_keeps_the_best_steps_by_a_metric(tmp_path, backend):
+    """``keep_best=N, metric=..., mode=...`` (Lightning's save_top_k with monitor, Orbax's
+    BestN): the N best steps by a metric in their ``extra`` are kept besides the last ones; a
+    new Checkpointer on the directory (a restarted job) reads the metrics from the steps."""
+    model, opt = _run()
+    _step(model, opt)
+    losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.2, 5: 0.6, 6: 0.7, 7: 0.8}
+    ck = ls.Checkpointer(tmp_path / "run", keep_last=2, keep_best=2, metric="val_loss",
+                         backend=backend)
+    for step, loss in losses.items():
+        ck.save(step, model=model, optimizer=opt, extra={"val_loss": loss},
+                blocking=step % 2 == 1)
+    ck.wait()
+    assert ck.steps() == [2, 4, 6, 7]
+    again = ls.Checkpointer(tmp_path / "run", keep_last=1, keep_best=1, metric="val_loss",
+                            backend=backend)
+    again.save(8, model=model, optimizer=opt)  # no metric: never among the best
+    assert again.steps() == [4, 8]
+    top = ls.Checkpointer(tmp_path / "top", keep_best=2, mode="max", backend=backend,
+                          metric=lambda info: info.extra["acc"])
+    for step, acc in ((1, 0.5), (2, 0.9), (3, 0.7), (4, 0.6)):
+        top.save(step, model=model, optimizer=opt, extra={"acc": acc})
+    assert top.steps() == [2, 3, 4]  # the best two and the latest (keep_last defaults to 1)
+    for kwargs, match in (({"keep_best": 2}, "needs metric="),
+                          ({"keep_best": 0, "metric": "x"}, "keep_best must be a positive"),
+                          ({"keep_best": 2, "metric": "x", "mode": "lowest"}, "'min' or 'max'"),
+                          ({"metric": "x"}, "keep_best=N, which was not given")):
+        with pytest.raises(ls.CheckpointError, match=match):
+            ls.Checkpointer(tmp_path / "bad", **kwargs)
