@@ -65,8 +65,8 @@ class BestSteps:
         if identity not in self._known:
             try:
                 found = info(path)
-            except CheckpointError:
-                found = None  # damaged, or not a training checkpoint: not among the best
+            except (CheckpointError, OSError):
+                found = None  # damaged, unreadable, not a training checkpoint: not the best
             self._known[identity] = None if found is None else self._measure(found)
         return self._known[identity]
 
