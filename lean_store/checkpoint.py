@@ -42,7 +42,7 @@ from .layout import Difference, Entry, Layout, layout_error, stored_rank_shape
 from .metadata import check_stored, parse_root
 from .progress import make_progress
 from .read_ahead import read_all
-from .sources import TargetTensor, template_layout, tensor_targets
+from .sources import TargetTensor, after_load, template_layout, tensor_targets
 from .sources.base import fitted_to_stored, prepared
 from .sources.module_names import respelled, spelled_as
 from .stores.base import ChunkProblem, Selection, StorageDescription, StoredTensor
@@ -812,6 +812,7 @@ def load(
 
     result = read_once(path, load_from, lambda: not touched, storage_options=storage_options)
     warn_skipped(result)
+    after_load(target, given.values(), stacklevel=3)
     return result
 
 

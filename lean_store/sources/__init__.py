@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..layout import Layout
@@ -62,6 +62,16 @@ def tensor_source(obj: Any) -> TensorSource:
     )
 
 
+def after_load(obj: Any, targets: Iterable[TargetTensor], stacklevel: int) -> None:
+    """What a load into ``obj`` says once done: when it gave a module's meta tensors memory,
+    the module's tensors still on the meta device (:func:`.meta_tensors.warn_meta_left`)."""
+    if any(target.gave_memory for target in targets):
+        from .meta_tensors import warn_meta_left
+        from .torch_source import unwrapped
+
+        warn_meta_left(unwrapped(obj), stacklevel + 1)
+
+
 def tensor_targets(obj: Any) -> dict[str, TargetTensor]:
     """Writable targets for in-place loading, keyed by name."""
     if is_torch_state(obj):
@@ -73,4 +83,5 @@ def tensor_targets(obj: Any) -> dict[str, TargetTensor]:
     return numpy_targets(obj)
 
 
-__all__ = ["TargetTensor", "TensorSource", "template_layout", "tensor_source", "tensor_targets"]
+__all__ = ["TargetTensor", "TensorSource", "after_load", "template_layout", "tensor_source",
+           "tensor_targets"]

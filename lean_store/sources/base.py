@@ -42,6 +42,8 @@ class TargetTensor(ABC):
     """One tensor to load into, in place."""
 
     entry: Entry
+    gave_memory: bool = False
+    """True once the load gave the target's tensor memory (a module's meta tensor)."""
     takes_stored_entry: bool = False
     """True when the target loads the stored tensor whatever its shape and format (a module's
     extra state, handed to the module as saved): :meth:`adopt` the stored entry before the

@@ -14,6 +14,7 @@ back and nothing is installed.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -86,6 +87,7 @@ class MetaTarget(TargetTensor):
                     f"({exc}): a view of it or another reference is held; drop it, or "
                     "materialize the module first (module.to_empty(device='cpu'))") from None
             self._meta = new  # now the meta tensor's contents
+            self.gave_memory = True
         self._target = self._loaded_as(self.entry, tensor)
 
     def undo(self) -> None:
@@ -93,6 +95,7 @@ class MetaTarget(TargetTensor):
             torch.utils.swap_tensors(self._tensor, self._meta)
             self._meta = None
         self._target = None
+        self.gave_memory = False
 
     def write(self, region: Region, bits: np.ndarray) -> None:
         if self._target is None:
@@ -105,4 +108,22 @@ class MetaTarget(TargetTensor):
         return ("meta", id(self._tensor))
 
 
-__all__ = ["MetaTarget", "is_meta", "meta_entries"]
+def warn_meta_left(module: Any, stacklevel: int) -> None:
+    """After a load that gave meta tensors of ``module`` memory: warn naming those still on
+    the meta device (non-persistent buffers, which no checkpoint holds, such as rotary
+    embeddings' ``inv_freq``; tensors a ``strict=False`` load skipped): the module cannot
+    run until they are computed or loaded."""
+    if not isinstance(module, torch.nn.Module):
+        return
+    left = [canonical_name(name) for name, tensor in (
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False)) if tensor.is_meta]
+    if left:
+        shown = ", ".join(map(repr, left[:5])) + (" ..." if len(left) > 5 else "")
+        warnings.warn(
+            f"tensors of the module still on the meta device after the load ({len(left)}: "
+            f"{shown}): the checkpoint does not hold them (a non-persistent buffer is never "
+            "saved); compute or load them before the module runs", stacklevel=stacklevel + 1)
+
+
+__all__ = ["MetaTarget", "is_meta", "meta_entries", "warn_meta_left"]

@@ -373,7 +373,7 @@ def _prepare_rng(meta: Any, lookup: Callable[[str, str], Any], generators: Any, 
 
 
 def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
-    from ..sources import tensor_targets
+    from ..sources import after_load, tensor_targets
 
     targets = tensor_targets(model)
     # named as the checkpoint spells them (a wrapper's names: sources/module_names.py)
@@ -396,6 +396,7 @@ def _prepare_model(ck: Checkpoint, model: Any) -> Callable[[], None]:
                 target.write(region, words)
         for target in targets.values():  # extra state, handed to its module
             target.finish()
+        after_load(model, targets.values(), stacklevel=5)
 
     return install
 

@@ -234,3 +234,36 @@ def test_a_sharded_load_into_meta_tensors_is_refused_saying_so(tmp_path: Path) -
     assert "refused:" in done.stdout, done.stdout + done.stderr
     assert "sharded load needs them materialized" in done.stdout
     assert "| meta: True" in done.stdout
+
+
+class WithRotary(torch.nn.Module):
+    """A rotary embedding's ``inv_freq``: a non-persistent buffer, computed, never saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.arange(2.0), persistent=False)
+
+
+@pytest.mark.parametrize("suffix", BACKENDS)
+def test_tensors_left_on_meta_are_named(tmp_path: Path, suffix: str) -> None:
+    """The load gives memory to what the checkpoint holds; a non-persistent buffer stays on
+    the meta device (as after torch's assign=True), and a warning names it, pointing at the
+    caller's line, instead of a forward pass failing later. A plain model: no warning."""
+    path = tmp_path / f"r{suffix}"
+    ls.save(WithRotary(), path)
+    with torch.device("meta"):
+        meta = WithRotary()
+    with pytest.warns(UserWarning, match="still on the meta device.*'inv_freq'") as caught:
+        ls.load(meta, path)
+    assert caught[0].filename == __file__
+    assert not meta.proj.weight.is_meta and meta.inv_freq.is_meta
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ls.load(WithRotary(), path)
+    train = tmp_path / f"t{suffix}"
+    ls.save_training(train, model=WithRotary(), step=1)
+    with torch.device("meta"):
+        meta = WithRotary()
+    with pytest.warns(UserWarning, match="'inv_freq'"):
+        ls.load_training(train, model=meta)
