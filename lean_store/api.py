@@ -179,6 +179,7 @@ def load(
     process_group: Any = None,
     strict_order: bool = False,
     storage_options: dict[str, Any] | None = None,
+    prefix: str = "",
 ) -> LoadResult:
     """Load a checkpoint in place into a torch module, a state dict, or a dict of arrays.
 
@@ -191,6 +192,10 @@ def load(
     tensors to be in the target's order. A module's meta parameters and buffers (a model
     built under ``torch.device("meta")``) get CPU memory in place, as
     ``load_state_dict(..., assign=True)`` gives them, once the checkpoint is checked.
+    ``prefix``: the target's tensor ``name`` is the checkpoint's ``prefix + name``, and the
+    checkpoint's tensors without the prefix are not the target's (a module saved inside
+    another: a LightningModule's ``model.``, a wrapper's submodule); ``strict`` applies to
+    those with it.
     With ``process_group`` (or DTensors / ``LocalShard`` values in the target) every rank
     reads only the regions of its own shards, from a checkpoint saved by any number of ranks;
     ``cast``, a progress bar and ``storage_options`` are refused there (``progress=False``,
@@ -199,7 +204,8 @@ def load(
     if is_sharded(process_group, target):
         refused = [name for name, given in (("cast", cast is not None),
                                              ("progress", progress not in (None, False)),
-                                             ("storage_options", storage_options is not None))
+                                             ("storage_options", storage_options is not None),
+                                             ("prefix", bool(prefix)))
                    if given]
         if refused:
             raise CheckpointError(f"{', '.join(refused)} is not supported by sharded loads")
@@ -208,7 +214,7 @@ def load(
         return sharded_load(target, path, process_group=process_group, strict=strict,
                             verify=verify, strict_order=strict_order)
     return load_single(target, path, strict=strict, cast=cast, verify=verify, progress=progress,
-                       strict_order=strict_order, storage_options=storage_options)
+                       strict_order=strict_order, storage_options=storage_options, prefix=prefix)
 
 
 __all__ = ["is_sharded", "kind_of", "load", "save", "save_async", "write"]

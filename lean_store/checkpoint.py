@@ -689,7 +689,8 @@ def check_layout(stored: Layout, expected: Layout, **options: Any) -> None:
     if not diffs:
         return
     error = layout_error(diffs)
-    hints = [hint for hint in (_cast_hint(diffs, expected), _counter_hint(diffs)) if hint]
+    hints = [hint for hint in (_cast_hint(diffs, expected), _counter_hint(diffs),
+                               _prefix_hint(diffs)) if hint]
     if hints:
         raise LayoutError("\n".join([str(error), *hints]), diffs)
     raise error
@@ -709,6 +710,29 @@ def _cast_hint(diffs: list[Difference], expected: Layout) -> str | None:
             "are in this error's .differences, kind 'format')")
 
 
+def _prefix_hint(diffs: list[Difference]) -> str | None:
+    """When every missing name is an unexpected one without a common start (the checkpoint
+    of a module that held the target, a LightningModule's ``model.``), or the other way round
+    (the target holds the checkpoint's module): say which."""
+    missing = [d.name for d in diffs if d.kind == "missing" and d.name is not None]
+    extra = [d.name for d in diffs if d.kind == "extra" and d.name is not None]
+    for short, long, hint in (
+            (missing, extra, "The checkpoint's names are the target's with {p!r} in front (a "
+             "module saved inside another, e.g. a LightningModule's self.model): load with "
+             "prefix={p!r}"),
+            (extra, missing, "The target's names are the checkpoint's with {p!r} in front: "
+             "load into that submodule of the target")):
+        if not short or not long:
+            continue
+        first = short[0]
+        starts = {name[: -len(first)] for name in long if name.endswith(first) and name != first}
+        held = set(long)
+        for start in sorted(starts, key=len):
+            if all(start + name in held for name in short):
+                return hint.format(p=start)
+    return None
+
+
 COUNTER = "num_batches_tracked"
 
 
@@ -721,6 +745,21 @@ def _counter_hint(diffs: list[Difference]) -> str | None:
             "written before torch 0.4.1 and files converted from them lack (torch's "
             "load_state_dict sets them to 0 for such files): load with strict=False to load "
             "the rest, each counter keeping its value (0 in a new model)")
+
+
+def under_prefix(layout: Layout, prefix: str) -> Layout:
+    """The entries of ``layout`` whose names start with ``prefix`` (all of it for ``""``): what
+    a load with ``prefix`` reads, the rest of the checkpoint being no concern of its target."""
+    if not isinstance(prefix, str):
+        raise CheckpointError(f"prefix must be a string, got {prefix!r}")
+    if not prefix:
+        return layout
+    names = [n for n in layout.names() if n.startswith(prefix)]
+    if not names:
+        shown = ", ".join(map(repr, layout.names()[:3]))
+        raise CheckpointError(f"the checkpoint holds no tensor whose name starts with "
+                              f"{prefix!r} (its names are like {shown})")
+    return layout.subset(names)
 
 
 def _read_all(ck: Checkpoint, names: list[str], read: Callable[[str], T]) -> dict[str, T]:
@@ -747,6 +786,7 @@ def load(
     progress: Any = None,
     strict_order: bool = False,
     storage_options: dict[str, Any] | None = None,
+    prefix: str = "",
 ) -> LoadResult:
     """The single-process load behind :func:`lean_store.load`, whose docstring is the
     contract (validated first, every checksum checked with ``verify``, the target unchanged on
@@ -758,21 +798,24 @@ def load(
     touched: list[bool] = []  # set once anything was copied into the target
 
     def load_from(ck: Checkpoint) -> LoadResult:
-        # a module's names as ``ck`` spells them (a wrapper's: sources/module_names.py)
-        spelling = spelled_as(given, ck.layout.names()) if is_module(target) else {}
+        stored = under_prefix(ck.layout, prefix)
+        # a module's names as ``ck`` spells them (``prefix``, or a wrapper's:
+        # sources/module_names.py)
+        spelling = {n: prefix + n for n in given} if prefix else \
+            spelled_as(given, ck.layout.names()) if is_module(target) else {}
         targets = respelled(given, spelling)
         # extra state and lazy parameters as saved; tied names through the twin the file holds
-        targets, tied = fitted_to_stored(targets, ck.layout)
+        targets, tied = fitted_to_stored(targets, stored)
         target_layout = Layout.from_specs(
             [(n, t.entry.shape, t.entry.format) for n, t in targets.items()])
-        expected = expected_with_casts(ck.layout, target_layout, respelled(casts, spelling))
-        check_layout(ck.layout, expected, allow_missing=not strict, allow_extra=not strict,
-                        order_matters=strict_order)
+        expected = expected_with_casts(stored, target_layout, respelled(casts, spelling))
+        check_layout(stored, expected, allow_missing=not strict, allow_extra=not strict,
+                     order_matters=strict_order)
         result = LoadResult(
-            missing=[n for n in expected.names() if n not in ck.layout],
-            unexpected=[n for n in ck.layout.names() if n not in expected],
+            missing=[n for n in expected.names() if n not in stored],
+            unexpected=[n for n in stored.names() if n not in expected],
         )
-        names = [n for n in expected.names() if n in ck.layout]
+        names = [n for n in expected.names() if n in stored]
         kept: dict[str, tuple[Region, np.ndarray]] = {}
         if verify:  # every chunk and digest checked before the target changes at all
             room, keep = KEPT_VERIFIED_BYTES, []
@@ -888,47 +931,56 @@ def load_state(
     strict: bool = True,
     strict_order: bool = False,
     storage_options: dict[str, Any] | None = None,
+    prefix: str = "",
 ) -> dict[str, Any]:
     """Read a checkpoint into a NEW dict; nothing is mutated.
 
     Without ``like``: numpy arrays (ml_dtypes dtypes where they exist) and ``Encoded`` values.
     With ``like`` (a module, state dict or Layout): validated against it, and returned as torch
     tensors of the same dtypes on the same devices when ``like`` holds torch tensors, matched
-    by name (``strict_order=True`` also requires ``like``'s order).
+    by name (``strict_order=True`` also requires ``like``'s order). With ``prefix``: only the
+    tensors whose names start with it, named without it (a module saved inside another, such
+    as a LightningModule's ``model.``).
     """
     casts = _casts(cast)
     return read_once(
-        path, lambda ck: _state_of(ck, like, casts, strict, strict_order),
+        path, lambda ck: _state_of(ck, like, casts, strict, strict_order, prefix),
         storage_options=storage_options,
     )
 
 
 def _state_of(
-    ck: Checkpoint, like: Any, casts: dict[str, ScalarFormat], strict: bool, strict_order: bool
+    ck: Checkpoint, like: Any, casts: dict[str, ScalarFormat], strict: bool, strict_order: bool,
+    prefix: str = "",
 ) -> dict[str, Any]:
+    stored = under_prefix(ck.layout, prefix)
     likes: dict[str, Any] = {}  # like's torch tensors
     own_names: dict[str, str] = {}  # a stored spelling -> the name ``like`` gives it
     if like is not None:
         like_layout = template_layout(like)  # meta tensors: templates
         extra = _extra_state_names(like, like_layout)
         likes = _torch_values_of(like)
-        spelling = spelled_as(like_layout.names(), ck.layout.names()) if is_module(like) \
+        spelling = {n: prefix + n for n in like_layout.names()} if prefix else \
+            spelled_as(like_layout.names(), ck.layout.names()) if is_module(like) \
             else {}  # see respelled_layout
         like_layout = respelled_layout(like_layout, spelling)
         if extra:  # a module's extra state as it was saved (sources/module_state.py)
             like_layout = _stored_extra_state(like_layout, {spelling.get(n, n) for n in extra},
-                                              ck.layout)
+                                              stored)
         likes = respelled(likes, spelling)
         casts = respelled(casts, spelling)
         own_names = {stored: name for name, stored in spelling.items()}
-        expected = expected_with_casts(ck.layout, like_layout, casts)
-        check_layout(ck.layout, expected, allow_missing=not strict, allow_extra=not strict,
-                        order_matters=strict_order)
-        wanted = {e.name: like_layout[e.name].format for e in expected if e.name in ck.layout}
+        expected = expected_with_casts(stored, like_layout, casts)
+        check_layout(stored, expected, allow_missing=not strict, allow_extra=not strict,
+                     order_matters=strict_order)
+        wanted = {e.name: like_layout[e.name].format for e in expected if e.name in stored}
     else:
-        if any(n not in ck.layout for n in casts):
-            raise CheckpointError(f"cast names tensors the checkpoint lacks: {list(casts)}")
-        wanted = {e.name: casts.get(e.name, e.format) for e in ck.layout}
+        casts = {prefix + n: f for n, f in casts.items()}
+        if any(n not in stored for n in casts):
+            raise CheckpointError(f"cast names tensors the checkpoint lacks: "
+                                  f"{[n[len(prefix):] for n in casts if n not in stored]}")
+        wanted = {e.name: casts.get(e.name, e.format) for e in stored}
+        own_names = {n: n[len(prefix):] for n in wanted} if prefix else {}
     def words_of(name: str) -> np.ndarray:
         return _convert(ck.read_bits(name), ck.layout[name].format, wanted[name])
 
