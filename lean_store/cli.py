@@ -111,6 +111,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from . import checkpoint
 
     _lean_store_path(args.checkpoint)
+    steps = _steps_of(args.checkpoint)
+    if steps is not None:
+        return _print_steps(args, steps)
 
     with checkpoint.open(args.checkpoint) as ck:
         rows: list[dict[str, Any]] = []
@@ -173,6 +176,64 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     console.print(table)
     for key, tree in plain.items():
         console.print(f"{key}: {_summary(tree)}", markup=False)
+    return EXIT_OK
+
+
+def _steps_of(path: str) -> list[dict[str, Any]] | None:
+    """A Checkpointer's directory of steps (a directory that is no checkpoint itself but
+    holds ``step_<n>`` checkpoints): each step's number, path, bytes on disk and plain data
+    (``training_info``, nothing changed, no tensor read; None for a step that is not a
+    training checkpoint or cannot be read). None for anything else."""
+    from .stores.registry import detect_backend
+    from .training import Checkpointer, training_info
+
+    p = Path(path)
+    if "://" in path or not p.is_dir():
+        return None
+    try:
+        detect_backend(p)
+        return None  # a checkpoint
+    except CheckpointError:
+        pass
+    run = Checkpointer(p, create=False)
+    if not run.steps():
+        return None
+    rows = []
+    for step in run.steps():
+        where = run.path(step)
+        try:
+            info: Any = training_info(where)
+        except CheckpointError:
+            info = None
+        rows.append({"step": step, "path": str(where), "bytes_on_disk": _bytes_on_disk(where),
+                     "extra": None if info is None else info.extra,
+                     "data": None if info is None else info.data})
+    return rows
+
+
+def _bytes_on_disk(path: Path) -> int:
+    """The bytes of a checkpoint's files (a file, or a directory's files once each: a
+    Zarr step's chunk files hard-linked to another step's count here too)."""
+    if not path.is_dir():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _print_steps(args: argparse.Namespace, rows: list[dict[str, Any]]) -> int:
+    if args.json:
+        _print_json({"path": str(args.checkpoint), "steps": rows})
+        return EXIT_OK
+    from rich.table import Table
+
+    table = Table(title=f"{args.checkpoint}  (a Checkpointer's directory, {len(rows)} steps)")
+    for col in ("step", "checkpoint", "bytes on disk", "extra", "data"):
+        table.add_column(col, justify="right" if col in ("step", "bytes on disk") else "left",
+                         overflow="fold")
+    for row in rows:
+        table.add_row(str(row["step"]), Path(row["path"]).name, _size(row["bytes_on_disk"]),
+                      "-" if row["extra"] is None else _summary(row["extra"]),
+                      "-" if row["data"] is None else _summary(row["data"]))
+    _console().print(table)
     return EXIT_OK
 
 

@@ -39,3 +39,28 @@ def test_a_directory_without_checkpoints_says_only_that(tmp_path: Path) -> None:
         ls.load_state(tmp_path)
     assert str(caught.value).endswith("is a directory but not a lean_store checkpoint "
                                       "(no zarr.json)")
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_inspect_of_a_directory_of_steps_lists_them(tmp_path: Path, suffix: str) -> None:
+    """``lean-store inspect run/`` of a Checkpointer's directory lists its steps with their
+    size and plain data (``extra``, ``data``: read without reading a tensor) instead of
+    refusing the directory; a step that is no training checkpoint shows none."""
+    import json
+
+    from lean_store.cli import main
+
+    run = ls.Checkpointer(tmp_path / "run", backend=suffix.lstrip(".").replace("h5", "hdf5"))
+    state = {"w": np.arange(3, dtype=np.float32)}
+    for step in (10, 20):
+        run.save(step, model=state, extra={"val_loss": step / 100}, data={"epoch": step // 10})
+    ls.save(state, run.directory / f"step_0000000030{suffix}")  # not a training checkpoint
+    out = subprocess.run([sys.executable, "-m", "lean_store", "inspect", str(run.directory),
+                          "--json"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert [s["step"] for s in doc["steps"]] == [10, 20, 30]
+    assert doc["steps"][1]["extra"] == {"val_loss": 0.2} and doc["steps"][1]["data"] == {
+        "epoch": 2}
+    assert doc["steps"][2]["extra"] is None and all(s["bytes_on_disk"] > 0 for s in doc["steps"])
+    assert main(["inspect", str(run.directory)]) == 0
