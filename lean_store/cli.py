@@ -203,8 +203,8 @@ def _steps_of(path: str) -> list[dict[str, Any]] | None:
         where = run.path(step)
         try:
             info: Any = training_info(where)
-        except CheckpointError:
-            info = None
+        except (CheckpointError, ImportError):  # not a training checkpoint; torch tensors
+            info = None  # in its plain data where torch is not installed
         rows.append({"step": step, "path": str(where), "bytes_on_disk": _bytes_on_disk(where),
                      "extra": None if info is None else info.extra,
                      "data": None if info is None else info.data})

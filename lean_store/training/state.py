@@ -280,8 +280,6 @@ def prepare_load(ck: Checkpoint, *, model: Any, names_model: Any, optimizer: Any
     is needed; nothing is changed until ``install()`` of the result. The sharded load passes
     ``rank``/``world`` (whose RNG states to restore), ``prepare_model`` (reads this rank's
     shards) and ``read_state`` (optimizer tensors as this rank's shards)."""
-    from ..sources.optimizer import param_names, prepare
-
     installs: list[Callable[[], None]] = []
     version, meta, prefix = read_metadata(ck)
     reader = TrainingReader(ck)
@@ -294,6 +292,8 @@ def prepare_load(ck: Checkpoint, *, model: Any, names_model: Any, optimizer: Any
     if model is not None:
         installs.append((prepare_model or _prepare_model)(ck, model))
     if optimizer is not None:
+        from ..sources.optimizer import param_names, prepare  # torch: only for an optimizer
+
         if not meta.get("optimizer"):
             raise CheckpointError(f"{ck.path} holds no optimizer state")
         names = stored_spelling(param_names(optimizer, names_model), meta["optimizer"])

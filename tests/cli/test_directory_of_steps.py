@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from torch_optional import needs_torch
 
 import lean_store as ls
 
@@ -41,6 +42,7 @@ def test_a_directory_without_checkpoints_says_only_that(tmp_path: Path) -> None:
                                       "(no zarr.json)")
 
 
+@needs_torch  # training checkpoints are saved from torch state
 @pytest.mark.parametrize("suffix", [".h5", ".zarr"])
 def test_inspect_of_a_directory_of_steps_lists_them(tmp_path: Path, suffix: str) -> None:
     """``lean-store inspect run/`` of a Checkpointer's directory lists its steps with their
@@ -64,3 +66,14 @@ def test_inspect_of_a_directory_of_steps_lists_them(tmp_path: Path, suffix: str)
         "epoch": 2}
     assert doc["steps"][2]["extra"] is None and all(s["bytes_on_disk"] > 0 for s in doc["steps"])
     assert main(["inspect", str(run.directory)]) == 0
+    # an analyst's machine without torch: training_info and the listing read the metadata
+    # without it (before, preparing any training load imported torch's optimizer module)
+    code = ("import sys; sys.modules['torch'] = None\n"  # import torch fails
+            "import lean_store as ls\n"
+            f"print(ls.training_info({str(run.path(20))!r}).extra)\n"
+            "from lean_store.cli import main\n"
+            f"sys.exit(main(['inspect', {str(run.directory)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "{'val_loss': 0.2}" in done.stdout and "epoch=2" in done.stdout
