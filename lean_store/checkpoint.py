@@ -711,9 +711,9 @@ def _cast_hint(diffs: list[Difference], expected: Layout) -> str | None:
 
 
 def _prefix_hint(diffs: list[Difference]) -> str | None:
-    """When every missing name is an unexpected one without a common start (the checkpoint
-    of a module that held the target, a LightningModule's ``model.``), or the other way round
-    (the target holds the checkpoint's module): say which."""
+    """When every missing name is an unexpected one with a common start in front (the
+    checkpoint of a module that held the target, a LightningModule's ``model.``), or the other
+    way round (the target holds the checkpoint's module): say which."""
     missing = [d.name for d in diffs if d.kind == "missing" and d.name is not None]
     extra = [d.name for d in diffs if d.kind == "extra" and d.name is not None]
     for short, long, hint in (
@@ -745,6 +745,16 @@ def _counter_hint(diffs: list[Difference]) -> str | None:
             "written before torch 0.4.1 and files converted from them lack (torch's "
             "load_state_dict sets them to 0 for such files): load with strict=False to load "
             "the rest, each counter keeping its value (0 in a new model)")
+
+
+def checkpoint_spelling(names: list[str], stored: Layout, prefix: str, module: bool
+                    ) -> dict[str, str]:
+    """A target's ``names`` -> how the checkpoint (layout ``stored``) spells them, where it
+    differs: ``prefix`` in front of each, or else, for a module, without what wrappers add
+    (:func:`~lean_store.sources.module_names.spelled_as`)."""
+    if prefix:
+        return {name: prefix + name for name in names}
+    return spelled_as(names, stored.names()) if module else {}
 
 
 def under_prefix(layout: Layout, prefix: str) -> Layout:
@@ -799,10 +809,7 @@ def load(
 
     def load_from(ck: Checkpoint) -> LoadResult:
         stored = under_prefix(ck.layout, prefix)
-        # a module's names as ``ck`` spells them (``prefix``, or a wrapper's:
-        # sources/module_names.py)
-        spelling = {n: prefix + n for n in given} if prefix else \
-            spelled_as(given, ck.layout.names()) if is_module(target) else {}
+        spelling = checkpoint_spelling(list(given), ck.layout, prefix, is_module(target))
         targets = respelled(given, spelling)
         # extra state and lazy parameters as saved; tied names through the twin the file holds
         targets, tied = fitted_to_stored(targets, stored)
@@ -960,9 +967,7 @@ def _state_of(
         like_layout = template_layout(like)  # meta tensors: templates
         extra = _extra_state_names(like, like_layout)
         likes = _torch_values_of(like)
-        spelling = {n: prefix + n for n in like_layout.names()} if prefix else \
-            spelled_as(like_layout.names(), ck.layout.names()) if is_module(like) \
-            else {}  # see respelled_layout
+        spelling = checkpoint_spelling(like_layout.names(), ck.layout, prefix, is_module(like))
         like_layout = respelled_layout(like_layout, spelling)
         if extra:  # a module's extra state as it was saved (sources/module_state.py)
             like_layout = _stored_extra_state(like_layout, {spelling.get(n, n) for n in extra},

@@ -110,8 +110,7 @@ def _compression(storage: StorageDescription) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from . import checkpoint
 
-    _lean_store_path(args.checkpoint)
-    steps = _steps_of(args.checkpoint)
+    steps = None if _lean_store_path(args.checkpoint) else _steps_of(args.checkpoint)
     if steps is not None:
         return _print_steps(args, steps)
 
@@ -180,26 +179,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _steps_of(path: str) -> list[dict[str, Any]] | None:
-    """A Checkpointer's directory of steps (a directory that is no checkpoint itself but
-    holds ``step_<n>`` checkpoints): each step's number, path, bytes on disk and plain data
-    (``training_info``, nothing changed, no tensor read; None for a step that is not a
-    training checkpoint or cannot be read). None for anything else."""
-    from .stores.registry import detect_backend
+    """For a local path no checkpoint format recognises: when it is a Checkpointer's
+    directory of steps (``step_<n>`` checkpoints), each step's number, path, bytes on disk
+    and plain data (``training_info``, nothing changed, no tensor read; None for a step that
+    is not a training checkpoint or cannot be read). None for anything else."""
     from .training import Checkpointer, training_info
 
     p = Path(path)
     if "://" in path or not p.is_dir():
         return None
-    try:
-        detect_backend(p)
-        return None  # a checkpoint
-    except CheckpointError:
-        pass
     run = Checkpointer(p, create=False)
-    if not run.steps():
+    steps = run.steps()
+    if not steps:
         return None
     rows = []
-    for step in run.steps():
+    for step in steps:
         where = run.path(step)
         try:
             info: Any = training_info(where)
@@ -259,13 +253,14 @@ def _summary(tree: Any, limit: int = 300) -> str:
 # ---------------------------------------------------------------------------------- verify
 
 
-def _lean_store_path(path: str) -> None:
+def _lean_store_path(path: str) -> bool:
     """A usage error, not damaged data, for a path that holds no lean_store checkpoint: a
     missing path, a FIFO, a device, a dangling link, or a file of another format that
     ``convert`` and ``diff`` read (safetensors, torch, TorchLean, a Hugging Face model
-    directory), saying which commands do."""
+    directory), saying which commands do. True: a URL, or a local HDF5/Zarr checkpoint;
+    False: a local path no format recognises (opening it says why)."""
     if "://" in path:
-        return
+        return True
     from .hardening import check_checkpoint_path
     from .interop.convert import format_of_path
 
@@ -276,12 +271,13 @@ def _lean_store_path(path: str) -> None:
     try:
         fmt = format_of_path(path, reading=True)
     except CheckpointError:
-        return  # not recognised: opening it says why
+        return False
     if fmt not in ("hdf5", "zarr"):
         raise UsageError(
             f"{path} is {'an' if fmt[0] in 'aeiou' else 'a'} {fmt} file, not a lean_store "
             f"checkpoint: 'lean-store diff' compares it with a checkpoint or another file, and "
             f"'lean-store convert {path} OUT.h5' makes a checkpoint of it (exact bits)")
+    return True
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
