@@ -17,6 +17,7 @@ import zarr
 from helpers import through_zarr_python
 
 import lean_store as ls
+from lean_store.stores.zarr import checks as zarr_checks
 from lean_store.stores.zarr import compat as zarr_compat
 from lean_store.stores.zarr import store as zarr_store
 
@@ -183,34 +184,66 @@ def test_tampered_empty_tensor_document_caught_by_verify(tmp_path: Path) -> None
         ck.verify()
 
 
-def test_open_reads_only_the_root_document(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                           ) -> None:
+def _spy_documents(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys of every metadata file lean_store reads from here on, in order."""
+    read: list[str] = []
+    for module in (zarr_checks, zarr_store):
+        real = module.read_bytes_at
+
+        def spy(dir_fd: int, key: str, *args, real=real):
+            read.append(key)
+            return real(dir_fd, key, *args)
+
+        monkeypatch.setattr(module, "read_bytes_at", spy)
+    return read
+
+
+@pytest.mark.parametrize("kept", [zarr_checks.KEPT_DOCUMENT_BYTES, 0])
+def test_open_reads_each_document_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       kept: int) -> None:
+    """The open reads the root and, in its walk, every array's own document (compared with
+    its copy there and then); reads read no document again. Past KEPT_DOCUMENT_BYTES the walk
+    keeps none, and each array's document is read at its first read instead."""
     path = tmp_path / "ck.zarr"
     ls.save(STATE, path, chunk_bytes=1024)
-    read: list[str] = []
-    real_root, real_bytes = zarr_store.read_root_at, zarr_store.read_bytes_at
-
-    def spy_root(dir_fd: int, limit: int, key: str = "zarr.json"):
-        read.append(key)
-        return real_root(dir_fd, limit, key)
-
-    def spy_bytes(dir_fd: int, key: str, *args):
-        read.append(key)
-        return real_bytes(dir_fd, key, *args)
-
-    monkeypatch.setattr(zarr_store, "read_root_at", spy_root)
-    monkeypatch.setattr(zarr_store, "read_bytes_at", spy_bytes)
+    monkeypatch.setattr(zarr_checks, "KEPT_DOCUMENT_BYTES", kept)
+    read = _spy_documents(monkeypatch)
     opened = zarr.open_array
 
     def no_open_array(*args, **kwargs):
         raise AssertionError("an array opened through zarr despite the consolidated copy")
 
     monkeypatch.setattr(zarr, "open_array", no_open_array)
+    documents = sorted(f"{d.name}/zarr.json" for d in path.iterdir() if d.is_dir())
+    assert len(documents) == len(STATE)
     with ls.open(path) as ck:
-        assert read == ["zarr.json"]
+        at_open = list(read)
+        assert sorted(at_open) == sorted(["zarr.json", *(documents if kept else [])])
         np.testing.assert_array_equal(ck["i64"], STATE["i64"])
-        assert read == ["zarr.json", "i64/zarr.json"]
+        assert read == at_open + ([] if kept else ["i64/zarr.json"])
+        ck.verify()
+        assert sorted(read) == sorted(["zarr.json", *documents])  # each once in all
     monkeypatch.setattr(zarr, "open_array", opened)
+
+
+@pytest.mark.parametrize("kept", [zarr_checks.KEPT_DOCUMENT_BYTES, 1500])
+def test_document_read_in_the_walk_still_compared(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   kept: int) -> None:
+    """An array's own document that differs from its copy in the root is refused by the read
+    and the load as before, whether the walk kept it or not (1500 bytes: the walk keeps the
+    first documents only)."""
+    path = tmp_path / "ck.zarr"
+    ls.save(STATE, path, chunk_bytes=1024)
+    monkeypatch.setattr(zarr_checks, "KEPT_DOCUMENT_BYTES", kept)
+    for meta_path in path.glob("*/zarr.json"):
+        meta_path.write_text(meta_path.read_text().replace('"index": ', '"index":  '))
+    assert ls.load_state(path).keys() == STATE.keys()  # same values, other text: parsed
+    _tamper(path, "u8", lambda m: m["attributes"].update(name="other"))
+    with ls.open(path) as ck, pytest.raises(ls.IntegrityError, match="u8"):
+        ck["u8"].read()
+    with pytest.raises(ls.IntegrityError, match="u8"):
+        ls.load_state(path)
 
 
 def test_deep_array_document_refused_when_parsed(tmp_path: Path) -> None:

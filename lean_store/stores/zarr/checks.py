@@ -42,6 +42,10 @@ class LocalTree:
     # the most bytes the root document may have (:func:`root_document_limit` of the array
     # documents the walk found)
     root_limit: int = MAX_METADATA_BYTES
+    # node -> the bytes of its own ``zarr.json`` (an array directly under the root), read in
+    # the walk through ``pin`` while they fit in :data:`KEPT_DOCUMENT_BYTES`: the open
+    # compares them with the root's copies once, instead of a read per tensor later
+    documents: dict[str, bytes] = field(default_factory=dict)
     _by_node: dict[str, list[str]] | None = None
 
     def under(self, node: str) -> list[str]:
@@ -86,6 +90,12 @@ class LocalTree:
         return size
 
 
+KEPT_DOCUMENT_BYTES = 16 << 20
+"""The most bytes of array documents one walk keeps (:attr:`LocalTree.documents`): ~16,000
+arrays of lean_store's; the documents of larger stores are read when each array is first
+read, as the walk's ``lstat`` alone gave their sizes."""
+
+
 def scan_local_zarr(root: Path, pin: Any = None) -> LocalTree:
     """Walk a Zarr directory once, without following links: reject any symlink or special
     file, and over-large metadata documents (an array's: :data:`MAX_METADATA_BYTES`; the
@@ -97,8 +107,11 @@ def scan_local_zarr(root: Path, pin: Any = None) -> LocalTree:
     Each entry's type comes from its directory entry (``d_type``: no ``stat`` where the file
     system reports it); only a ``zarr.json`` is ``lstat``'ed here, for its size. A chunk
     file's size is read when asked (:meth:`LocalTree.size`). ``pin``: the root directory held
-    open (a PinnedRoot), through which those sizes are read later."""
+    open (a PinnedRoot), through which those sizes are read later; with it, the ``zarr.json``
+    of each array directly under the root is read whole instead of ``lstat``'ed (same bound),
+    and kept in ``documents`` up to :data:`KEPT_DOCUMENT_BYTES` in all."""
     tree = LocalTree(root, pin=pin)
+    room = KEPT_DOCUMENT_BYTES if pin is not None else 0
     if not (root / "zarr.json").exists():
         return tree  # the zarr open that follows reports the missing metadata
     pending = [("", 0)]  # iterative, depth-first: no recursion, bounded depth
@@ -112,8 +125,15 @@ def scan_local_zarr(root: Path, pin: Any = None) -> LocalTree:
                     if entry.is_file(follow_symlinks=False):  # by the entry's type: no stat
                         name = entry.name
                         # a document's size is bounded here; any other file's is read later
-                        files[prefix + name] = _document_size(entry, prefix) \
-                            if name == "zarr.json" else None
+                        if name != "zarr.json":
+                            files[prefix + name] = None
+                        elif depth == 1 and room > 0:  # an array's: read through the pin
+                            raw = read_bytes_at(pin.fd, prefix + name)
+                            files[prefix + name] = len(raw)
+                            tree.documents[prefix[:-1]] = raw
+                            room -= len(raw)
+                        else:
+                            files[prefix + name] = _document_size(entry, prefix)
                     elif entry.is_dir(follow_symlinks=False):  # known without following it
                         key = prefix + entry.name
                         if depth + 1 > MAX_TREE_DEPTH:
@@ -261,7 +281,9 @@ def read_root_at(dir_fd: int, limit: int, key: str = "zarr.json") -> RootText:
         raise IntegrityError(f"{key}: not valid JSON ({exc})") from None
 
 
-_O_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+# no link followed; a FIFO swapped in for a document opens without blocking (and reads empty)
+_O_READ = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+           | getattr(os, "O_NONBLOCK", 0))
 
 
 _FIRST_READ = 64 << 10  # one read takes a whole array document (about 1 KiB) and more

@@ -441,6 +441,7 @@ class ZarrReader(StoreReader):
         self._watch: PinnedRoot | SaveIdWatch | None = (
             PinnedRoot.of(self._root) if self._root is not None else None
         )
+        self._consistent: set[str] = set()  # own document compared with the root's copy
         try:
             self._open(source)
         except BaseException as exc:
@@ -452,7 +453,6 @@ class ZarrReader(StoreReader):
         self._arrays: dict[str, zarr.Array | PlainArray] = {}
         self._direct: dict[str, DirectReader | None] = {}
         self._frames = threading.local()  # compressed chunks' scratch, shared by the arrays
-        self._consistent: set[str] = set()  # own document compared with the root's copy
         self._lengths_checked: set[str] = set()  # check_metadata's length checks done
         # per thread: inside checks_deferred() (depth), and a read not yet checked there
         self._deferral = threading.local()
@@ -484,6 +484,7 @@ class ZarrReader(StoreReader):
             if self._plain is not None:
                 self.root_attrs = dict(root_doc["attributes"])
                 self._copies = root_doc["consolidated_metadata"]["metadata"]
+                self._documents_read()
                 return
         if self._tree is not None and root_doc is None and "zarr.json" in self._tree.files:
             # before zarr parses it
@@ -518,6 +519,22 @@ class ZarrReader(StoreReader):
                     self._members = dict(self._group.arrays())
                 except Exception as exc:
                     raise IntegrityError(f"unreadable consolidated metadata ({exc})") from None
+
+    def _documents_read(self) -> None:
+        """The arrays' own documents the walk read (``LocalTree.documents``) compared with
+        their copies in the root now, as :meth:`_check_own_document` compares them: one that
+        is the same text is consistent, so its first read reads no document; any other is left
+        to that check, which reads it again and names the difference."""
+        assert self._tree is not None and self._plain is not None
+        documents, self._tree.documents = self._tree.documents, {}
+        root_text = self._root_text
+        if root_text is None or self._copies is None:
+            return
+        copies, plain = self._copies, self._plain
+        consistent = self._consistent
+        for node, raw in documents.items():
+            if node in plain and node in copies and root_text.same_text(node, raw):
+                consistent.add(node)
 
     @property
     def _group(self) -> zarr.Group:
