@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,8 @@ import lean_store as ls
 from lean_store.checkpoint import Checkpoint
 from lean_store.errors import IntegrityError, UnsafeFileError
 from lean_store.hardening import MAX_METADATA_BYTES, MAX_TREE_DEPTH, file_kind
-from lean_store.stores.zarr.checks import LocalTree, scan_local_zarr
+from lean_store.replacement import PinnedRoot
+from lean_store.stores.zarr.checks import LocalTree, read_bytes_at, scan_local_zarr
 from lean_store.stores.zarr.plain import PlainArray
 
 
@@ -199,6 +201,42 @@ def test_odd_entries_handled_as_before(tmp_path: Path, odd: str) -> None:
     with pytest.raises(error):
         ls.load_state(path)
     assert not ls.verify(path).ok
+
+
+def test_walk_through_a_pin_reads_each_array_document(tmp_path: Path) -> None:
+    """With the pinned root, the walk reads each array's ``zarr.json`` (its bytes kept, its
+    size the bytes read) instead of ``lstat``-ing it: sizes as the old walk found them."""
+    path = tmp_path / "p.zarr"
+    ls.save(_state(), path)
+    pin = PinnedRoot(path)
+    try:
+        tree = scan_local_zarr(path, pin)
+        assert _sizes(tree) == _old_walk(path)
+    finally:
+        pin.close()
+    assert tree.documents == {d.name: (d / "zarr.json").read_bytes()
+                              for d in path.iterdir() if d.is_dir()}
+    assert "" not in tree.documents  # the root's own document is read by the open, bounded
+
+
+def test_document_read_never_blocks_on_a_fifo(tmp_path: Path) -> None:
+    """A FIFO in place of a document (swapped in after the walk listed a file) opens without
+    blocking and reads as empty: a parse error, not a hang."""
+    os.mkfifo(tmp_path / "zarr.json")
+    fd = os.open(tmp_path, os.O_RDONLY)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(read_bytes_at(fd, "zarr.json")),
+                              daemon=True)
+    try:
+        reader.start()
+        reader.join(10)
+        blocked = reader.is_alive()
+        if blocked:  # release it: a writer opens the other end
+            os.close(os.open(tmp_path / "zarr.json", os.O_WRONLY))
+    finally:
+        os.close(fd)
+    assert not blocked
+    assert got == [b""]
 
 
 def test_lazy_size_of_a_file_gone_or_replaced(tmp_path: Path) -> None:
