@@ -87,17 +87,15 @@ def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading
 
             return detect_backend(p)
         from ..stores.hdf5.checks import hdf5_superblock_offset
-        from .torchlean_bridge import sniff
+        from .foreign import file_kind
 
-        with p.open("rb") as f:
-            head = f.read(8)
         if hdf5_superblock_offset(p) is not None:  # at 0 or after a user block
             return "hdf5"
-        found = sniff(p)
-        if found is not None and (found != "torchlean-json" or p.suffix.lower() == ".json"):
+        # by content: safetensors (also named .bin), a torch.save archive, TorchLean; a zip
+        # archive of anything else (an .npz, a zipped Zarr store) is no torch file
+        found = file_kind(p)
+        if found is not None and found not in ("zip", "npz", "zarr-zip"):
             return found
-        if head.startswith(b"PK\x03\x04") and p.suffix.lower() != ".safetensors":
-            return "torch"
     fmt = SUFFIXES.get(p.suffix.lower())
     if fmt is None:
         raise CheckpointError(

@@ -87,12 +87,14 @@ def detect_backend(path: str | os.PathLike) -> str:
             return record.name
     if not os.path.lexists(p):  # removed since check_checkpoint_path looked at it
         raise CheckpointError(f"no checkpoint at {p}: the path does not exist")
+    from ..interop.foreign import refusal_hint  # what it is instead, and the way to use it
+
     if p.is_dir():
         raise IntegrityError(f"{p} is a directory but not a lean_store checkpoint (no zarr.json)"
-                             f"{_checkpoints_inside(p)}")
+                             f"{_checkpoints_inside(p) or refusal_hint(p)}")
     raise IntegrityError(
         f"{p} is not a lean_store checkpoint (no HDF5 signature at offset 0 or after a user "
-        "block at 512, 1024, 2048, ... bytes, and not a Zarr directory)"
+        f"block at 512, 1024, 2048, ... bytes, and not a Zarr directory){refusal_hint(p)}"
     )
 
 

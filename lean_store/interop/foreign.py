@@ -1,0 +1,107 @@
+"""What a path that holds no lean_store checkpoint holds instead, for the error refusing it.
+
+``ls.load(model, "model.safetensors")``, ``ls.load_state("m.pt")`` or ``ls.open`` of a zipped
+Zarr store are refused (lean_store reads its own checkpoints only); the refusal names what the
+file is and the way to it: ``lean-store convert`` for the formats it converts, a
+``zarr.storage.ZipStore`` for a zipped Zarr store, ``numpy.load`` for an ``.npz`` archive. Only
+the file's first bytes, or a zip archive's list of members, are read: nothing is parsed or
+unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+
+from .safetensors_io import SAFETENSORS_FILE
+
+_ZIP_MEMBERS = 100_000  # members of a zip archive looked at, at most
+_HEAD = 64
+
+
+def zip_kind(path: str | os.PathLike) -> str | None:
+    """``"torch"`` (a ``torch.save`` archive: a ``.../data.pkl`` member), ``"zarr-zip"`` (a
+    zipped Zarr store: a ``zarr.json`` at its top or one folder down), ``"npz"`` (numpy's:
+    every member a ``.npy``), ``"zip"`` (any other zip archive), or None (no zip archive)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = [info.filename for info, _ in zip(archive.infolist(), range(_ZIP_MEMBERS))]
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+        return None
+    if any(name.endswith("/data.pkl") for name in names):
+        return "torch"
+    if any(name == "zarr.json" or (name.endswith("/zarr.json") and name.count("/") == 1)
+           for name in names):
+        return "zarr-zip"
+    if names and all(name.endswith(".npy") for name in names):
+        return "npz"
+    return "zip"
+
+
+def file_kind(path: str | os.PathLike) -> str | None:
+    """What the regular file ``path`` is, when it is a format users bring to lean_store:
+    ``"safetensors"``, ``"torch"``, ``"zarr-zip"``, ``"npz"``, ``"zip"``, a TorchLean file
+    (:func:`.torchlean_bridge.sniff`), or None."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            head = f.read(_HEAD)
+    except OSError:
+        return None
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return zip_kind(p)
+    if SAFETENSORS_FILE.recognise(head):
+        return "safetensors"
+    from .torchlean_bridge import sniff
+
+    found = sniff(p)
+    if found is not None and (found != "torchlean-json" or p.suffix.lower() == ".json"):
+        return found
+    if head.startswith(b"\x80") and p.suffix.lower() in (".pt", ".pth", ".bin", ".ckpt"):
+        return "torch"  # torch.save's legacy (pickle) format
+    return None
+
+
+def refusal_hint(path: str | os.PathLike) -> str:
+    """A sentence for the error refusing ``path`` as a checkpoint: what it holds and the way
+    to use it with lean_store; "" when it is nothing lean_store knows."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            return _directory_hint(p)
+        kind = file_kind(p)
+    except OSError:
+        return ""
+    if kind is None or kind == "zip":
+        return ""
+    if kind == "zarr-zip":
+        return (f"; it is a zipped Zarr store: pass zarr.storage.ZipStore({str(p)!r}, "
+                "mode='r') in place of the path (lean_store reads and checks it as it reads "
+                "the directory), or unzip it")
+    if kind == "npz":
+        return ("; it is a numpy .npz archive: numpy.load() it and ls.save() the dict of "
+                "arrays")
+    what = {"torch": "a torch.save file", "safetensors": "a safetensors file"}.get(
+        kind, f"a {kind} file")
+    how = " (exact bits; read with torch.load(weights_only=True): no pickled code runs)" \
+        if kind == "torch" else " (exact bits)"
+    return f"; it is {what}: 'lean-store convert {p} OUT.h5' makes a checkpoint of it{how}"
+
+
+def _directory_hint(directory: Path) -> str:
+    """For a directory: the model weights it holds (a Hugging Face model directory)."""
+    from ..errors import CheckpointError
+    from .sharded_index import index_of, model_file_of
+
+    try:
+        found = index_of(directory) or model_file_of(directory)
+    except CheckpointError:
+        return ""
+    if found is None:
+        return ""
+    return (f"; it holds model weights ({found.name}): 'lean-store convert {directory} "
+            "OUT.h5' makes one checkpoint of them (exact bits)")
+
+
+__all__ = ["file_kind", "refusal_hint", "zip_kind"]
