@@ -74,7 +74,8 @@ def format_of_path(path: str | os.PathLike, given: str | None = None, *, reading
         from ..hardening import check_checkpoint_path
 
         check_checkpoint_path(p, what="input")  # missing; a FIFO or device, never opened
-        from .sharded_index import index_format, index_of, model_file_of
+        from .foreign import index_of, model_file_of
+        from .sharded_index import index_format
 
         index = index_of(p)
         if index is not None:  # a Hugging Face sharded checkpoint (or its directory)
@@ -204,7 +205,7 @@ def open_input(path: str | os.PathLike, fmt: str | None = None) -> Input:
 
         check_checkpoint_path(path, what="input")  # a FIFO or device is never opened
     if not (isinstance(path, str) and "://" in path):
-        from .sharded_index import model_file_of
+        from .foreign import model_file_of
 
         path = model_file_of(path) or path  # a model directory: its one weights file
     fmt = format_of_path(path, fmt, reading=True)
@@ -214,7 +215,8 @@ def open_input(path: str | os.PathLike, fmt: str | None = None) -> Input:
         return Input(fmt, _CheckpointSource(ck), kind=ck.kind, extra=extra, closer=ck.close,
                      read_words=lambda entry: ck.read_bits(entry.name))
     if fmt in ("safetensors", "torch"):
-        from .sharded_index import ShardedIndexSource, index_of
+        from .foreign import index_of
+        from .sharded_index import ShardedIndexSource
 
         index = index_of(path)
         if index is not None:

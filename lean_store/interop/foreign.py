@@ -5,16 +5,87 @@ Zarr store are refused (lean_store reads its own checkpoints only); the refusal 
 file is and the way to it: ``lean-store convert`` for the formats it converts, a
 ``zarr.storage.ZipStore`` for a zipped Zarr store, ``numpy.load`` for an ``.npz`` archive. Only
 the file's first bytes, or a zip archive's list of members, are read: nothing is parsed or
-unpickled.
+unpickled. The content tests of other formats live here (``convert`` recognises its inputs with
+them), free of the readers and writers, which the store layer must not import.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import zipfile
 from pathlib import Path
 
-from .safetensors_io import SAFETENSORS_FILE
+from ..errors import CheckpointError
+from .torchlean import ADAM_MAGIC, SF32_MAGIC
+
+MAX_HEADER_BYTES = 100_000_000  # the limit the safetensors library enforces
+INDEX_SUFFIX = ".safetensors.index.json"
+TORCH_INDEX_SUFFIX = ".bin.index.json"
+
+
+def looks_like_safetensors(head: bytes) -> bool:
+    """An 8-byte little-endian header length within safetensors' limit, then a JSON object."""
+    if len(head) < 10:
+        return False
+    (n,) = struct.unpack_from("<Q", head)
+    return 2 <= n <= MAX_HEADER_BYTES and head[8:9] == b"{"
+
+
+def torchlean_kind(path: str | os.PathLike) -> str | None:
+    """``torchlean-sf32``, ``torchlean-adam`` or ``torchlean-json`` from a file's first bytes."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return None
+    if head.startswith(SF32_MAGIC):
+        return "torchlean-sf32"
+    if head.startswith(ADAM_MAGIC):
+        return "torchlean-adam"
+    if head.lstrip().startswith(b"{") and b'"format"' in head:
+        return "torchlean-json"
+    return None
+
+
+def index_of(path: str | os.PathLike) -> Path | None:
+    """The index ``path`` names: the file itself (``*.safetensors.index.json`` or
+    ``*.bin.index.json``), or the one index in a directory that is not a Zarr store (its
+    safetensors index where it has both kinds); None otherwise."""
+    p = Path(path)
+    if p.is_file() and p.name.endswith((INDEX_SUFFIX, TORCH_INDEX_SUFFIX)):
+        return p
+    if p.is_dir() and not (p / "zarr.json").exists():
+        for suffix, kind in ((INDEX_SUFFIX, "safetensors"), (TORCH_INDEX_SUFFIX, "torch .bin")):
+            found = sorted(q for q in p.glob(f"*{suffix}") if q.is_file())
+            if len(found) > 1:
+                raise CheckpointError(f"{p} holds {len(found)} {kind} indexes "
+                                      f"({', '.join(q.name for q in found)}): name the one "
+                                      "to read")
+            if found:
+                return found[0]
+    return None
+
+
+def model_file_of(path: str | os.PathLike) -> Path | None:
+    """The one weights file of a model directory without an index (most models: one
+    ``model.safetensors`` below transformers' 5 GB shard size), else None: its only
+    ``*.safetensors`` file, or else its ``pytorch_model.bin``. Files may be symbolic links
+    to regular files, as in the Hugging Face hub's cache (``snapshots/<revision>/``)."""
+    p = Path(path)
+    if not p.is_dir() or (p / "zarr.json").exists() or index_of(p) is not None:
+        return None
+    found = sorted(q for q in p.glob("*.safetensors") if q.is_file())
+    if len(found) > 1:
+        raise CheckpointError(f"{p} holds {len(found)} safetensors files and no index "
+                              f"({', '.join(q.name for q in found[:5])}"
+                              f"{' ...' if len(found) > 5 else ''}): name the one to read")
+    if found:
+        return found[0]
+    legacy = p / "pytorch_model.bin"
+    return legacy if legacy.is_file() else None
+
+
 
 _ZIP_MEMBERS = 100_000  # members of a zip archive looked at, at most
 _HEAD = 64
@@ -42,7 +113,7 @@ def zip_kind(path: str | os.PathLike) -> str | None:
 def file_kind(path: str | os.PathLike) -> str | None:
     """What the regular file ``path`` is, when it is a format users bring to lean_store:
     ``"safetensors"``, ``"torch"``, ``"zarr-zip"``, ``"npz"``, ``"zip"``, a TorchLean file
-    (:func:`.torchlean_bridge.sniff`), or None."""
+    (:func:`torchlean_kind`), or None."""
     p = Path(path)
     try:
         with p.open("rb") as f:
@@ -51,11 +122,9 @@ def file_kind(path: str | os.PathLike) -> str | None:
         return None
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
         return zip_kind(p)
-    if SAFETENSORS_FILE.recognise(head):
+    if looks_like_safetensors(head):
         return "safetensors"
-    from .torchlean_bridge import sniff
-
-    found = sniff(p)
+    found = torchlean_kind(p)
     if found is not None and (found != "torchlean-json" or p.suffix.lower() == ".json"):
         return found
     if head.startswith(b"\x80") and p.suffix.lower() in (".pt", ".pth", ".bin", ".ckpt"):
@@ -91,9 +160,6 @@ def refusal_hint(path: str | os.PathLike) -> str:
 
 def _directory_hint(directory: Path) -> str:
     """For a directory: the model weights it holds (a Hugging Face model directory)."""
-    from ..errors import CheckpointError
-    from .sharded_index import index_of, model_file_of
-
     try:
         found = index_of(directory) or model_file_of(directory)
     except CheckpointError:
@@ -104,4 +170,5 @@ def _directory_hint(directory: Path) -> str:
             "OUT.h5' makes one checkpoint of them (exact bits)")
 
 
-__all__ = ["file_kind", "refusal_hint", "zip_kind"]
+__all__ = ["INDEX_SUFFIX", "MAX_HEADER_BYTES", "TORCH_INDEX_SUFFIX", "file_kind", "index_of",
+           "looks_like_safetensors", "model_file_of", "refusal_hint", "torchlean_kind", "zip_kind"]

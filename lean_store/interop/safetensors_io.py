@@ -32,19 +32,9 @@ from ..layout import Entry, Layout
 from ..sources.base import SourceTensor, TensorSource
 from ..stores.commit import Commit
 from ..stores.target import FileKind
+from .foreign import MAX_HEADER_BYTES, looks_like_safetensors
 
-MAX_HEADER_BYTES = 100_000_000  # the limit the safetensors library enforces
-
-
-def _looks_like_safetensors(head: bytes) -> bool:
-    """An 8-byte little-endian header length within safetensors' limit, then a JSON object."""
-    if len(head) < 10:
-        return False
-    (n,) = struct.unpack_from("<Q", head)
-    return 2 <= n <= MAX_HEADER_BYTES and head[8:9] == b"{"
-
-
-SAFETENSORS_FILE = FileKind("a safetensors file", _looks_like_safetensors)
+SAFETENSORS_FILE = FileKind("a safetensors file", looks_like_safetensors)
 _BLOCK_BYTES = 8 << 20
 
 # safetensors dtype name -> lean_store tag. "F8_E4M3" is torch's float8_e4m3fn.

@@ -16,7 +16,7 @@ leads elsewhere). Any disagreement is one :class:`IntegrityError` listing every 
 before anything is written. Tensors keep the shards' order, each file's in data order. A
 directory holding both kinds of index (the same weights, as many model repositories ship them)
 is read through its safetensors index, as transformers reads it. A directory without an index
-stands for its one weights file (:func:`model_file_of`). Shards and files may be symbolic
+stands for its one weights file (:func:`.foreign.model_file_of`). Shards and files may be symbolic
 links to regular files, as everything in the Hugging Face hub's cache is.
 """
 
@@ -34,50 +34,11 @@ from ..errors import CheckpointError, IntegrityError, UnsafeFileError
 from ..hardening import check_json_depth
 from ..layout import Entry, Layout
 from ..sources.base import SourceTensor, TensorSource
+from .foreign import INDEX_SUFFIX
 from .safetensors_io import SafetensorsSource
 
-INDEX_SUFFIX = ".safetensors.index.json"
-TORCH_INDEX_SUFFIX = ".bin.index.json"
 MAX_INDEX_BYTES = 64 << 20  # an index of a million tensors is ~80 MB; today's largest ~2 MB
 _LISTED = 8  # differences named in one error
-
-
-def index_of(path: str | os.PathLike) -> Path | None:
-    """The index ``path`` names: the file itself (``*.safetensors.index.json`` or
-    ``*.bin.index.json``), or the one index in a directory that is not a Zarr store (its
-    safetensors index where it has both kinds); None otherwise."""
-    p = Path(path)
-    if p.is_file() and p.name.endswith((INDEX_SUFFIX, TORCH_INDEX_SUFFIX)):
-        return p
-    if p.is_dir() and not (p / "zarr.json").exists():
-        for suffix, kind in ((INDEX_SUFFIX, "safetensors"), (TORCH_INDEX_SUFFIX, "torch .bin")):
-            found = sorted(q for q in p.glob(f"*{suffix}") if q.is_file())
-            if len(found) > 1:
-                raise CheckpointError(f"{p} holds {len(found)} {kind} indexes "
-                                      f"({', '.join(q.name for q in found)}): name the one "
-                                      "to read")
-            if found:
-                return found[0]
-    return None
-
-
-def model_file_of(path: str | os.PathLike) -> Path | None:
-    """The one weights file of a model directory without an index (most models: one
-    ``model.safetensors`` below transformers' 5 GB shard size), else None: its only
-    ``*.safetensors`` file, or else its ``pytorch_model.bin``. Files may be symbolic links
-    to regular files, as in the Hugging Face hub's cache (``snapshots/<revision>/``)."""
-    p = Path(path)
-    if not p.is_dir() or (p / "zarr.json").exists() or index_of(p) is not None:
-        return None
-    found = sorted(q for q in p.glob("*.safetensors") if q.is_file())
-    if len(found) > 1:
-        raise CheckpointError(f"{p} holds {len(found)} safetensors files and no index "
-                              f"({', '.join(q.name for q in found[:5])}"
-                              f"{' ...' if len(found) > 5 else ''}): name the one to read")
-    if found:
-        return found[0]
-    legacy = p / "pytorch_model.bin"
-    return legacy if legacy.is_file() else None
 
 
 def index_format(index: Path) -> str:

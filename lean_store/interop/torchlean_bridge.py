@@ -26,7 +26,6 @@ from ..errors import FormatError, IntegrityError
 from ..formats import BinaryFormat, ComplexFormat, ScalarFormat, binary, complex_of, get
 from ..layout import Layout
 from .torchlean import (
-    SF32_MAGIC,
     TLAdamEntry,
     TLAdamFile,
     TLAdamParam,
@@ -217,24 +216,8 @@ def write_adam_from(
     write_adam(path, adam_from(layout, read_words, root_attrs))
 
 
-def sniff(path: str | os.PathLike) -> str | None:
-    """``torchlean-sf32``, ``torchlean-adam`` or ``torchlean-json`` from a file's first bytes."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except OSError:
-        return None
-    if head.startswith(SF32_MAGIC):
-        return "torchlean-sf32"
-    if head.startswith(b"TLADAMF"):
-        return "torchlean-adam"
-    if head.lstrip().startswith(b"{") and b'"format"' in head:
-        return "torchlean-json"
-    return None
-
-
 __all__ = [
     "ADAM_ATTR", "adam_from", "adam_state", "format_of_tag", "json_unrepresentable",
-    "read_adam", "sf32_unrepresentable", "sniff", "state_from_json", "state_from_sf32",
+    "read_adam", "sf32_unrepresentable", "state_from_json", "state_from_sf32",
     "state_json_of", "tag_of_format", "write_adam_from", "write_sf32_from",
 ]
