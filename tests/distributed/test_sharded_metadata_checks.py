@@ -254,6 +254,27 @@ def test_a_single_process_reads_masters_with_and_without_a_manifest(world) -> No
         assert ls.verify(out / name).ok
 
 
+def test_a_single_process_open_compares_masters_from_their_headers(world, monkeypatch
+                                                                    ) -> None:
+    """Opened whole in one process, each master dataset is compared with its manifest record
+    as a sharded load compares it (its header's bytes where they are as written), not read
+    back attribute by attribute; every source is still checked at open, sizes known."""
+    import lean_store as ls
+    from lean_store.stores.hdf5 import sharded
+
+    out, _ = world
+    read_back: list[str] = []
+    real = sharded.read_attrs
+    monkeypatch.setattr(sharded, "read_attrs",
+                        lambda dsid, where, *a: (read_back.append(where), real(dsid, where, *a))[1])
+    with ls.open(out / "ck.h5") as ck:
+        assert not read_back, read_back
+        for name in ROWS:
+            assert ck[name].stored.nbytes_on_disk, name
+            np.testing.assert_array_equal(ck[name].read(), _whole(name))
+    assert not read_back, read_back
+
+
 if __name__ == "__main__":
     from test_distributed import worker
 

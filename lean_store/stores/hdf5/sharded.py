@@ -276,8 +276,16 @@ class ShardedHDF5Reader(HDF5Reader):
 
     def stored(self, node: str) -> StoredTensor:
         record = None if self._master is None else self._master.get(node)
-        if record is not None and record.sources and self._defer:
-            return self._stored_from_master(node, record)
+        if record is not None and record.sources:
+            info = self._stored_from_master(node, record)
+            if not self._defer and node in self._from_master:
+                # opened whole: the master dataset compared with its record now (its header's
+                # bytes where they are as written, no value-by-value read) and every source
+                # checked, as a sharded load's check_metadata and reads do
+                self._check_master(node)
+                info.itemsize = self._types[node].get_size()
+                self._check_sources(node, self._virtual_maps[node])
+            return info
         ds = self._dataset(node)
         dcpl = ds.id.get_create_plist()
         if dcpl.get_layout() != h5d.VIRTUAL:
