@@ -226,6 +226,25 @@ def test_open_reads_each_document_once(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(zarr, "open_array", opened)
 
 
+def test_other_layouts_use_the_documents_the_walk_read(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store zarr's pipeline wrote (zstd: not lean_store's direct layout) compares each
+    array's own document at its first read, with the bytes the walk read: no second read;
+    a changed document is still refused there."""
+    path = tmp_path / "z.zarr"
+    ls.save(STATE, path, compression="zstd", chunk_bytes=1024)
+    read = _spy_documents(monkeypatch)
+    with ls.open(path) as ck:
+        at_open = sorted(read)
+        assert len(at_open) == len(STATE) + 1  # the root and every array's document
+        for name, value in STATE.items():
+            assert np.asarray(ck[name].read()).tobytes() == value.tobytes()
+        assert sorted(read) == at_open
+    _tamper(path, "u8", lambda m: m["attributes"].update(name="other"))
+    with ls.open(path) as ck, pytest.raises(ls.IntegrityError, match="u8"):
+        ck["u8"].read()
+
+
 @pytest.mark.parametrize("kept", [zarr_checks.KEPT_DOCUMENT_BYTES, 1500])
 def test_document_read_in_the_walk_still_compared(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch,

@@ -43,8 +43,9 @@ class LocalTree:
     # documents the walk found)
     root_limit: int = MAX_METADATA_BYTES
     # node -> the bytes of its own ``zarr.json`` (an array directly under the root), read in
-    # the walk through ``pin`` while they fit in :data:`KEPT_DOCUMENT_BYTES`: the open
-    # compares them with the root's copies once, instead of a read per tensor later
+    # the walk through ``pin`` while they fit in :data:`KEPT_DOCUMENT_BYTES`: compared with the
+    # root's copies by the open (lean_store's own layout) or at the array's first read (any
+    # other), instead of read again then
     documents: dict[str, bytes] = field(default_factory=dict)
     _by_node: dict[str, list[str]] | None = None
 

@@ -638,7 +638,8 @@ class ZarrReader(StoreReader):
         if described and self._copies is not None and node in self._copies:
             assert isinstance(self._watch, PinnedRoot)
             key = f"{node}/zarr.json"
-            raw = read_bytes_at(self._watch.fd, key)
+            kept = self._tree.documents.pop(node, None) if self._tree is not None else None
+            raw = kept if kept is not None else read_bytes_at(self._watch.fd, key)
             # the text written for both (lean_store's saves, zarr's consolidation): equal
             # without a parse; any other text is parsed and compared as values
             if (self._root_text is None or not self._root_text.same_text(node, raw)) \
