@@ -159,7 +159,15 @@ def refusal_hint(path: str | os.PathLike) -> str:
 
 
 def _directory_hint(directory: Path) -> str:
-    """For a directory: the model weights it holds (a Hugging Face model directory)."""
+    """For a directory: the model weights it holds (a Hugging Face model directory), or a
+    checkpoint torch.distributed.checkpoint wrote with its own ``FileSystemWriter``."""
+    if (directory / ".metadata").is_file() and next(directory.glob("*.distcp"), None):
+        return ("; it is a torch.distributed.checkpoint (DCP) directory: dcp.load it (any "
+                "world size) and ls.save the state, or torch.distributed.checkpoint."
+                f"format_utils.dcp_to_torch_save({str(directory)!r}, 'state.pt') and then "
+                "'lean-store convert state.pt OUT.h5' (DCP's .metadata is a pickle: only for "
+                "checkpoints you trust); lean_store.interop.dcp makes dcp.save write "
+                "lean_store checkpoints")
     try:
         found = index_of(directory) or model_file_of(directory)
     except CheckpointError:

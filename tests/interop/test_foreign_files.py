@@ -7,6 +7,7 @@ is never taken for a torch file."""
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -113,4 +114,35 @@ def test_torch_file_named_and_converted(tmp_path: Path, legacy: bool) -> None:
     with pytest.raises(ls.IntegrityError, match="torch.save file"):
         ls.load(torch.nn.Linear(4, 3), path)
     convert(path, tmp_path / "out.h5")
+    _same(ls.load_state(tmp_path / "out.h5"))
+
+
+def test_dcp_directory_named(tmp_path: Path) -> None:
+    """A directory torch.distributed.checkpoint's FileSystemWriter wrote (its pickled
+    ``.metadata`` and ``*.distcp`` files; only their names are looked at)."""
+    dcp_dir = tmp_path / "step-100"
+    dcp_dir.mkdir()
+    (dcp_dir / ".metadata").write_bytes(b"\x80\x04")
+    (dcp_dir / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(ls.IntegrityError) as info:
+        ls.load_state(dcp_dir)
+    message = str(info.value)
+    assert "torch.distributed.checkpoint (DCP) directory" in message
+    assert "dcp_to_torch_save" in message and "lean_store.interop.dcp" in message
+
+
+@needs_torch
+def test_dcp_directory_converted_as_the_refusal_says(tmp_path: Path) -> None:
+    assert torch is not None
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = {k: torch.from_numpy(v.copy()) for k, v in STATE.items()}
+    with warnings.catch_warnings():  # DCP without a process group: "a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")))
+    with pytest.raises(ls.IntegrityError, match="DCP"):
+        ls.load_state(tmp_path / "dcp")
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "state.pt"))
+    convert(tmp_path / "state.pt", tmp_path / "out.h5")
     _same(ls.load_state(tmp_path / "out.h5"))
