@@ -268,9 +268,17 @@ def _lean_store_path(path: str) -> bool:
         check_checkpoint_path(path)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
+    from .interop.foreign import file_kind, refusal_hint
+
     try:
         fmt = format_of_path(path, reading=True)
     except CheckpointError:
+        fmt = None
+    if fmt is None or fmt not in ("hdf5", "zarr") and os.path.isfile(path) \
+            and file_kind(path) is None:  # named like one by its suffix alone: not known
+        hint = refusal_hint(path)  # a zipped Zarr store, an .npz, a DCP directory
+        if hint:
+            raise UsageError(f"{path} is not a lean_store checkpoint{hint}")
         return False
     if fmt not in ("hdf5", "zarr"):
         raise UsageError(

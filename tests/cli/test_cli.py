@@ -110,6 +110,32 @@ def test_inspect_and_verify_of_another_format_say_which_commands_read_it(
         assert f"lean-store convert {path} OUT.h5" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_inspect_and_verify_of_other_archives_say_what_they_are(
+        capsys: pytest.CaptureFixture, tmp_path: Path, command: str) -> None:
+    """An .npz, a zipped Zarr store and a directory DCP wrote: a usage error (2) naming what
+    the path holds and the way to it, not an IntegrityError (1) or a BAD report. A file that is
+    only named like a torch file (its suffix) is not called one: it is no checkpoint (1)."""
+    import shutil
+
+    np.savez(tmp_path / "arrays.npz", w=np.zeros(3))
+    ls.save(STATE, tmp_path / "ck.zarr")
+    archive = shutil.make_archive(str(tmp_path / "ck.zarr"), "zip", tmp_path / "ck.zarr")
+    dcp_dir = tmp_path / "dcp"
+    dcp_dir.mkdir()
+    (dcp_dir / ".metadata").write_bytes(b"\x80\x04")
+    (dcp_dir / "__0_0.distcp").write_bytes(b"")
+    for path, words in ((tmp_path / "arrays.npz", "numpy .npz archive"),
+                        (archive, "zipped Zarr store"), (dcp_dir, "(DCP) directory")):
+        code, out, err = run(capsys, command, path)
+        assert code == 2 and "BAD" not in out, (out, err)
+        assert "is not a lean_store checkpoint" in err and words in err, err
+        assert "Traceback" not in err
+    (tmp_path / "junk.bin").write_bytes(bytes(100))
+    code, out, err = run(capsys, command, tmp_path / "junk.bin")
+    assert "torch" not in err + out and "not a lean_store checkpoint" in err + out
+
+
 def test_verify_ok_and_corrupt_chunk(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     path = tmp_path / "big.h5"
     ls.save({"a": np.zeros(8, np.float32), "big": np.arange(8192, dtype=np.float32)}, path,
