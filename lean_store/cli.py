@@ -271,21 +271,22 @@ def _lean_store_path(path: str) -> bool:
     from .interop.foreign import file_kind, refusal_hint
 
     try:
-        fmt = format_of_path(path, reading=True)
+        fmt: str | None = format_of_path(path, reading=True)
     except CheckpointError:
         fmt = None
-    if fmt is None or fmt not in ("hdf5", "zarr") and os.path.isfile(path) \
-            and file_kind(path) is None:  # named like one by its suffix alone: not known
-        hint = refusal_hint(path)  # a zipped Zarr store, an .npz, a DCP directory
-        if hint:
-            raise UsageError(f"{path} is not a lean_store checkpoint{hint}")
-        return False
-    if fmt not in ("hdf5", "zarr"):
+    if fmt in ("hdf5", "zarr"):
+        return True
+    if fmt is not None and os.path.isfile(path) and file_kind(path) is None:
+        fmt = None  # named like one by its suffix alone: not known
+    if fmt is not None:
         raise UsageError(
             f"{path} is {'an' if fmt[0] in 'aeiou' else 'a'} {fmt} file, not a lean_store "
             f"checkpoint: 'lean-store diff' compares it with a checkpoint or another file, and "
             f"'lean-store convert {path} OUT.h5' makes a checkpoint of it (exact bits)")
-    return True
+    hint = refusal_hint(path)  # a zipped Zarr store, an .npz, a DCP directory
+    if hint:
+        raise UsageError(f"{path} is not a lean_store checkpoint{hint}")
+    return False
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

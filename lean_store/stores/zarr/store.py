@@ -525,16 +525,13 @@ class ZarrReader(StoreReader):
         their copies in the root now, as :meth:`_check_own_document` compares them: one that
         is the same text is consistent, so its first read reads no document; any other is left
         to that check, which reads it again and names the difference."""
+        # described from the root's text: its consolidated members are the plain arrays
         assert self._tree is not None and self._plain is not None
+        assert self._root_text is not None
         documents, self._tree.documents = self._tree.documents, {}
-        root_text = self._root_text
-        if root_text is None or self._copies is None:
-            return
-        copies, plain = self._copies, self._plain
-        consistent = self._consistent
-        for node, raw in documents.items():
-            if node in plain and node in copies and root_text.same_text(node, raw):
-                consistent.add(node)
+        plain, same_text = self._plain, self._root_text.same_text
+        self._consistent.update(node for node, raw in documents.items()
+                                if node in plain and same_text(node, raw))
 
     @property
     def _group(self) -> zarr.Group:
