@@ -173,6 +173,28 @@ def test_rechunking_back_as_suggested_restores_a_verified_file(tmp_path) -> None
     assert ls.load_state(back)["w"].tobytes() == W.tobytes()
 
 
+def test_contiguous_file_is_named_with_the_command_that_rechunks_it(tmp_path) -> None:
+    """``h5repack -l CONTI`` stores every dataset without chunks: refused as laid out again
+    (not as corrupt), naming the chunks its checksum table was written for and the h5repack
+    command that restores them; that command gives back a verified file."""
+    path = _repacked(tmp_path, "CONTI")
+    with h5py.File(path, "r") as f:
+        assert f["w"].chunks is None
+    with pytest.raises(ls.IntegrityError) as info:
+        ls.load_state(path)
+    message = str(info.value)
+    assert "not chunked" in message and "h5repack -l CONTI" in message
+    assert "corrupt" not in message
+    node = "w" if "'w'" in message else "z"
+    assert f"h5repack -l {node}:CHUNK=16x1000" in message  # what to do
+    assert "not chunked" in str(ls.verify(path))
+    back = tmp_path / "back.h5"
+    subprocess.run([_tool("h5repack"), "-l", "w,z:CHUNK=16x1000", str(path), str(back)],
+                   check=True)
+    assert ls.verify(back).ok
+    assert ls.load_state(back)["w"].tobytes() == W.tobytes()
+
+
 # ------------------------------------------------------------------ 9: what cannot be saved
 
 

@@ -102,7 +102,24 @@ def rechunked_message(
     )
 
 
+def unchunked_message(where: str, shape: tuple[int, ...], n_table: int | None) -> str:
+    """Why a dataset stored without chunks (contiguous or compact: laid out again after
+    lean_store wrote it) is refused, and the command that lays it out as written, when its
+    ``chunk_crc32c`` table of ``n_table`` values names one chunk shape."""
+    wanted = table_chunks(shape, n_table) if n_table else []
+    node = where.strip("'\"")
+    back = (f"re-chunk it back (h5repack -l {node}:CHUNK={'x'.join(map(str, wanted[0]))}), or "
+            if len(wanted) == 1 else "")
+    return (
+        f"{where} is not chunked (laid out again after lean_store wrote it, e.g. by h5repack "
+        "-l CONTI); lean_store writes chunked datasets only and checks each chunk against "
+        f"its {CHUNK_CRC_ATTR} table, so it is not read. The data may be intact. To use it, "
+        f"{back}restore the original file, or re-save the tensors with lean_store from a copy "
+        "you trust"
+    )
+
+
 __all__ = [
     "CHECKSUMS", "CHUNK_CRC_ATTR", "is_row_block", "parse_table", "rechunked_message",
-    "table_chunks",
+    "table_chunks", "unchunked_message",
 ]

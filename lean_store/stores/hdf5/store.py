@@ -62,7 +62,7 @@ from .blosc import (
     set_blosc,
 )
 from .checks import ROOT_ATTRS, check_hdf5_present, read_hdf5_attrs
-from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table
+from .crc_table import CHECKSUMS, CHUNK_CRC_ATTR, parse_table, unchunked_message
 from .deflate import DeflateChunks
 from .files import close_written, open_file, open_for_writing
 from .header import plain_superblock
@@ -714,8 +714,11 @@ class HDF5Reader(StoreReader):
         layout = dcpl.get_layout()
         filters = _checked_filters(node, dcpl, layout)
         attrs = read_hdf5_attrs(ds, repr(node))
-        check_hdf5_present(ds, node, filters)
         table = attrs.get(CHUNK_CRC_ATTR)
+        if not ds.chunks and math.prod(ds.shape or (0,)):
+            raise IntegrityError(unchunked_message(repr(node), tuple(ds.shape), getattr(
+                table, "size", None)))
+        check_hdf5_present(ds, node, filters)
         if table is not None:
             chunks = tuple(ds.chunks or ds.shape)
             self._tables[node] = parse_table(table, chunk_count(ds.shape, chunks), repr(node),
