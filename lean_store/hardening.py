@@ -100,6 +100,23 @@ def check_checkpoint_path(path: str | os.PathLike, *, what: str = "checkpoint") 
         )
 
 
+def link_inside(where: str, link: str | os.PathLike[str]) -> str:
+    """Why a symlink inside a checkpoint directory (``where``: what it is, e.g. its key; ``link``:
+    its path) is refused, where it points, and the way to a copy that reads: tools that
+    share files by links (the Hugging Face Hub cache, git-annex, DVC's symlink cache) make
+    such trees."""
+    try:
+        target = f" (to {os.readlink(link)!r})"
+    except OSError:
+        target = ""
+    return (
+        f"{where}: a symlink inside the checkpoint{target}; lean_store reads only the regular "
+        "files of a checkpoint directory, never a link in it (docs/SECURITY.md). A copy with "
+        "the links resolved reads: cp -rL CHECKPOINT COPY (for a Hugging Face Hub download, "
+        "snapshot_download(..., local_dir=DIR) writes regular files)"
+    )
+
+
 # ------------------------------------------------------------------------------------ JSON
 
 
@@ -180,5 +197,5 @@ def root_attr_limit(file_size: int) -> int:
 __all__ = [
     "MAX_ATTR_BYTES", "MAX_CHUNK_BYTES", "MAX_JSON_DEPTH", "MAX_METADATA_BYTES",
     "check_checkpoint_path", "check_chunk_shape", "check_json_depth", "file_kind", "json_depth",
-    "root_attr_limit", "root_document_limit",
+    "link_inside", "root_attr_limit", "root_document_limit",
 ]

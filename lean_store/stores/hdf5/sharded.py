@@ -36,6 +36,7 @@ from ...chunking import plan_chunks
 from ...distributed.plan import TensorPlan
 from ...distributed.shard_spec import Box, ChunkPlan
 from ...errors import CheckpointError, IntegrityError, UnsafeFileError
+from ...hardening import link_inside
 from ...layout import Entry
 from ...metadata import tensor_attrs
 from ...naming import node_name
@@ -216,7 +217,10 @@ class ShardedHDF5Reader(HDF5Reader):
         # is handed out only if the directory is still the one opened (docs/SECURITY.md)
         self._pin = PinnedRoot.of(self.directory)
         try:
-            if master.is_symlink() or not master.is_file():
+            if master.is_symlink():
+                raise UnsafeFileError(link_inside(f"{directory}: master file {MASTER_NAME}",
+                                                  master))
+            if not master.is_file():
                 raise IntegrityError(f"{directory}: no master file {MASTER_NAME}")
             super().__init__(master)
         except BaseException:
@@ -514,7 +518,10 @@ class ShardedHDF5Reader(HDF5Reader):
         reader = self._sources.get(fname)
         if reader is None:
             path = self.directory / fname
-            if path.is_symlink() or not path.is_file():
+            if path.is_symlink():
+                raise UnsafeFileError(link_inside(f"shard file {fname} of {self.directory}",
+                                                  path))
+            if not path.is_file():
                 raise IntegrityError(f"shard file {fname} of {self.directory} is missing")
             reader = HDF5Reader(path)
             self._sources[fname] = reader

@@ -22,6 +22,7 @@ from ...hardening import (
     check_chunk_shape,
     check_json_depth,
     file_kind,
+    link_inside,
     root_document_limit,
 )
 from . import shard_index
@@ -231,7 +232,7 @@ def _neither(entry: os.DirEntry[str], prefix: str, files: dict[str, int | None])
         files[key] = info.st_size
         return
     if stat.S_ISLNK(mode):
-        raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
+        raise UnsafeFileError(link_inside(key, entry.path))
     if stat.S_ISDIR(mode):  # replaced by a directory since it was listed
         raise IntegrityError(f"{key}: changed while the checkpoint was read")
     raise UnsafeFileError(f"{key}: {file_kind(mode)} inside the checkpoint")
