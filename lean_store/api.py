@@ -21,6 +21,7 @@ from .async_save import SaveHandle, start
 from .checkpoint import LoadResult
 from .checkpoint import load as load_single
 from .errors import CheckpointError
+from .gc_pause import collection_paused
 from .layout import Layout
 from .options import SaveOptions, merge_options, refuse
 from .sources import tensor_source
@@ -74,9 +75,11 @@ def write(
         from .distributed.sharded_save import FrozenPieces, check_options
         from .distributed.sharded_save import save as sharded_save
 
-        if blocking:
-            return sharded_save(state, path, process_group=process_group, backend=backend,
-                                options=options, kind=kind, extra_root=extra_root)
+        if blocking:  # the collector paused as for loads (.gc_pause); not for a background
+            # save, whose pause would hold the training thread's collector off too
+            with collection_paused():
+                return sharded_save(state, path, process_group=process_group, backend=backend,
+                                    options=options, kind=kind, extra_root=extra_root)
         check_options(path, backend, options)  # here, not only at wait()
         frozen = FrozenPieces(state, options.snapshot)
         backend_record(backend_for(path, backend)).import_writer()  # as start() does

@@ -1,6 +1,8 @@
-"""A sharded load pauses Python's cyclic garbage collector while it runs (issue 13: full
-collections of a training process's heap cost ~15 % of a rank's load) and restores it after:
-on success, on a refused load, and leaving a collector the caller switched off, off. A 2-rank
+"""A sharded load, and a blocking sharded save, pause Python's cyclic garbage collector while
+they run (issue 13: collections of a training process's heap cost ~15 % of a rank's load and
+~20 % of the CPU of a save) and restore it after: on success, on a refused load, and leaving
+a collector the caller switched off, off. A background save does not pause it (the pause
+would hold the training thread's collector off). A 2-rank
 gloo world on loopback runs this file as a script, one process per rank (``python
 test_sharded_load_gc.py SCENARIO RANK WORLD PORT DIR``)."""
 
@@ -60,20 +62,31 @@ def scenario_gc(rank: int, world: int, out: Path) -> dict:
     import torch
 
     import lean_store as ls
-    from lean_store.distributed import sharded_load
+    from lean_store.distributed import sharded_load, sharded_save
 
     seen: list[bool] = []
-    real = sharded_load.verify_shards
+    saving: list[bool] = []
+    real, real_plan = sharded_load.verify_shards, sharded_save.make_plan
 
     def watching(*args, **kwargs):
         seen.append(gc.isenabled())
         return real(*args, **kwargs)
 
+    def planning(*args, **kwargs):
+        saving.append(gc.isenabled())
+        return real_plan(*args, **kwargs)
+
     sharded_load.verify_shards = watching
+    sharded_save.make_plan = planning
     rec: dict = {}
     for suffix in (".h5", ".zarr"):
         path = out / f"ck{suffix}"
+        saving.clear()
         ls.save(_state(rank), path)
+        rec[suffix + " save"] = {"inside": list(saving), "after": gc.isenabled()}
+        saving.clear()
+        ls.save(_state(rank), path, blocking=False).wait()  # a background save: no pause,
+        rec[suffix + " background"] = list(saving)  # which would hold the caller's off too
         seen.clear()
         target = _state(rank, fill=-1.0)
         ls.load(target, path)
@@ -104,6 +117,8 @@ def gc_world(tmp_path_factory):
 def test_a_sharded_load_runs_with_the_collector_paused_and_restores_it(gc_world) -> None:
     for rec in gc_world:
         for suffix in (".h5", ".zarr"):
+            assert rec[suffix + " save"] == {"inside": [False], "after": True}, rec
+            assert rec[suffix + " background"] == [True], rec
             got = rec[suffix]
             assert got["good"], (suffix, got)
             assert got["inside"] == [False], (suffix, got)  # paused during the load

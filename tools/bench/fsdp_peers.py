@@ -6,7 +6,10 @@ output projection and a 4x MLP, a final LayerNorm and head) over ``--world`` glo
 CPU, started with ``torch.multiprocessing``. One AdamW step creates the moments, so the state
 is ~3x the parameters (~44 MB). Every round saves and loads it with each method, between
 barriers, timed on rank 0; one warm-up round is not counted, then the median of ``--repeat``
-rounds (methods interleaved within a round, a fresh directory per save):
+rounds (methods interleaved within a round, a fresh directory per save; a full collection of
+Python's collector before each timed save and load, so that no method pays for the collections
+the allocations of the one timed before it set off: lean_store pauses the collector while a
+sharded save or load runs, and would otherwise leave its count of allocations to the next):
 
 - ``dcp``: ``dcp.save`` / ``dcp.load`` of ``{"model": ..., "optim": ...}`` from
   ``get_state_dict`` with DCP's ``FileSystemWriter`` / ``FileSystemReader``;
@@ -113,6 +116,7 @@ def rank_main(rank: int, world: int, port: int, root: str, dim: int, layers: int
     ``profile``: a directory where each rank writes the cProfile stats of its lean_store saves
     and loads after the warm-up (``<method>-<save|load>-rank<r>.prof``)."""
     import cProfile
+    import gc
 
     import torch
     import torch.distributed as dist
@@ -134,6 +138,7 @@ def rank_main(rank: int, world: int, port: int, root: str, dim: int, layers: int
                 path = Path(root) / f"r{r}-{method.replace(' ', '_')}{suffix}"
                 fn = _dcp if method == "dcp" else _lean
                 for i, save in enumerate((True, False)):
+                    gc.collect()  # no collector debt left by the method timed before
                     dist.barrier()
                     prof = (cProfile.Profile(time.process_time)
                             if profile and r and method != "dcp" else None)
