@@ -20,7 +20,7 @@ from helpers import zarr_chunk_files
 import lean_store as ls
 from lean_store.checkpoint import Checkpoint
 from lean_store.errors import IntegrityError, UnsafeFileError
-from lean_store.hardening import MAX_METADATA_BYTES, MAX_TREE_DEPTH, file_kind
+from lean_store.hardening import MAX_METADATA_BYTES, MAX_TREE_DEPTH, file_kind, link_inside
 from lean_store.replacement import PinnedRoot
 from lean_store.stores.zarr.checks import LocalTree, read_bytes_at, scan_local_zarr
 from lean_store.stores.zarr.plain import PlainArray
@@ -56,7 +56,7 @@ def _old_walk(root: Path) -> dict[str, int]:
             if not stat.S_ISREG(mode):
                 key = prefix + entry.name
                 if stat.S_ISLNK(mode):
-                    raise UnsafeFileError(f"{key}: a symlink inside the checkpoint")
+                    raise UnsafeFileError(link_inside(key, entry.path))  # its message
                 if stat.S_ISDIR(mode):
                     raise IntegrityError(f"{key}: changed while the checkpoint was read")
                 raise UnsafeFileError(f"{key}: {file_kind(mode)} inside the checkpoint")
