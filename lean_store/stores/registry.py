@@ -154,4 +154,13 @@ def open_reader(path: Any, backend: str | None = None,
         backend = detect_backend(path)
     elif isinstance(path, (str, os.PathLike)) and not is_url(path):
         check_checkpoint_path(path)
-    return backend_record(backend).reader(path, storage_options=storage_options)
+    try:
+        return backend_record(backend).reader(path, storage_options=storage_options)
+    except IntegrityError:
+        # removed since it was found (a Checkpointer pruning the step a reader picked): gone,
+        # not damaged (libhdf5 says "unable to open file", a walk "changed while read")
+        if isinstance(path, (str, os.PathLike)) and not is_url(path) and not os.path.lexists(
+                path):
+            raise CheckpointError(f"no checkpoint at {path}: the path does not exist (removed "
+                                  "while it was being opened)") from None
+        raise
