@@ -199,18 +199,26 @@ def _steps_of(path: str) -> list[dict[str, Any]] | None:
             info: Any = training_info(where)
         except (CheckpointError, ImportError):  # not a training checkpoint; torch tensors
             info = None  # in its plain data where torch is not installed
-        rows.append({"step": step, "path": str(where), "bytes_on_disk": _bytes_on_disk(where),
+        size = _bytes_on_disk(where)
+        if size is None or not os.path.lexists(where):  # pruned while listed (a training
+            continue  # job's Checkpointer): no longer one of the run's steps
+        rows.append({"step": step, "path": str(where), "bytes_on_disk": size,
                      "extra": None if info is None else info.extra,
                      "data": None if info is None else info.data})
     return rows
 
 
-def _bytes_on_disk(path: Path) -> int:
+def _bytes_on_disk(path: Path) -> int | None:
     """The bytes of a checkpoint's files (a file, or a directory's files once each: a
-    Zarr step's chunk files hard-linked to another step's count here too)."""
-    if not path.is_dir():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    Zarr step's chunk files hard-linked to another step's count here too); None when it was
+    removed meanwhile."""
+    try:
+        if not path.is_dir():
+            return path.stat().st_size
+        return sum(f.stat().st_size for f in path.rglob("*")
+                   if f.is_file() and not f.is_symlink())
+    except FileNotFoundError:
+        return None
 
 
 def _print_steps(args: argparse.Namespace, rows: list[dict[str, Any]]) -> int:

@@ -77,3 +77,34 @@ def test_inspect_of_a_directory_of_steps_lists_them(tmp_path: Path, suffix: str)
                           cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "{'val_loss': 0.2}" in done.stdout and "epoch=2" in done.stdout
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_inspect_of_a_run_skips_a_step_pruned_while_it_lists(monkeypatch, capsys,
+                                                              tmp_path: Path,
+                                                              suffix: str) -> None:
+    """``lean-store inspect run/`` while a training job's Checkpointer prunes: a step removed
+    between the listing and its turn is left out (it is no longer one of the run's steps).
+    It failed with exit 2 and a bare "[Errno 2] No such file or directory" in about a third of
+    the calls made while a job saved ~50 steps a second with keep_last=2."""
+    import json
+    import shutil
+
+    import lean_store.training as training
+    from lean_store.cli import main
+
+    for step in range(4):
+        ls.save({"w": np.full(3, step, np.float32)}, tmp_path / f"step_{step:010d}{suffix}")
+    pruned = tmp_path / f"step_{1:010d}{suffix}"
+    real = training.training_info
+
+    def pruning(where, *args, **kwargs):
+        if Path(where) == pruned:  # the job's Checkpointer removes it now
+            shutil.rmtree(pruned) if pruned.is_dir() else pruned.unlink()
+        return real(where, *args, **kwargs)
+
+    monkeypatch.setattr(training, "training_info", pruning)
+    assert main(["inspect", "--json", str(tmp_path)]) == 0
+    listed = json.loads(capsys.readouterr().out)["steps"]
+    assert [row["step"] for row in listed] == [0, 2, 3]
+    assert all(row["bytes_on_disk"] > 0 for row in listed)
