@@ -475,28 +475,42 @@ class Checkpointer:
                                  data=data, rng=rng, generators=generators,
                                  scheduled=scheduled, process_group=self.process_group,
                                  scaler=scaler)
-        path = self._find(step)
-        try:
-            return load_training(path, model=model, optimizer=optimizer, scheduler=scheduler,
-                                 data=data, rng=rng, generators=generators,
-                                 scheduled=scheduled, scaler=scaler)
-        except IntegrityError as exc:
-            older = self.steps()[:-1]  # the latest was restored: the steps before it
-            if step is not None or not older:
-                raise
-            raise type(exc)(
-                f"{exc}\nThe latest step ({path.name}) cannot be restored; nothing was changed. "
-                f"Older steps: {older[-5:]}. Check one with lean_store.verify, restore it with "
-                f"restore(step={older[-1]}, ...), then remove the damaged step with "
-                f"discard_after({older[-1]}) (or move it away) before saving the following "
-                "steps") from exc
+        for attempt in range(LATEST_ATTEMPTS):
+            path = self._find(step)
+            try:
+                return load_training(path, model=model, optimizer=optimizer,
+                                     scheduler=scheduler, data=data, rng=rng,
+                                     generators=generators, scheduled=scheduled, scaler=scaler)
+            except CheckpointError as exc:
+                if step is None and attempt + 1 < LATEST_ATTEMPTS and not os.path.lexists(path):
+                    continue  # pruned while it was read (another process saves on): the latest
+                if not isinstance(exc, IntegrityError):
+                    raise
+                older = self.steps()[:-1]  # the latest was restored: the steps before it
+                if step is not None or not older:
+                    raise
+                raise type(exc)(
+                    f"{exc}\nThe latest step ({path.name}) cannot be restored; nothing was "
+                    f"changed. Older steps: {older[-5:]}. Check one with lean_store.verify, "
+                    f"restore it with restore(step={older[-1]}, ...), then remove the damaged "
+                    f"step with discard_after({older[-1]}) (or move it away) before saving the "
+                    "following steps") from exc
+        raise AssertionError("unreachable: the last attempt raises")  # pragma: no cover
 
     def info(self, step: int | None = None) -> TrainingInfo:
         """What ``step`` (default: the latest) says besides its tensors (its ``extra``, data
         position, ...), read without changing anything (:func:`training_info`): to choose a
         step by a metric kept in ``extra``."""
         self.wait()
-        return training_info(self._find(step))
+        for attempt in range(LATEST_ATTEMPTS):
+            path = self._find(step)
+            try:
+                return training_info(path)
+            except CheckpointError:
+                if step is None and attempt + 1 < LATEST_ATTEMPTS and not os.path.lexists(path):
+                    continue  # pruned while it was read: the latest now
+                raise
+        raise AssertionError("unreachable: the last attempt raises")  # pragma: no cover
 
     def _find(self, step: int | None) -> Path:
         if step is None:
@@ -515,6 +529,13 @@ class Checkpointer:
                 f"keep_every={self.keep_every}, "
                 f"keep_best={None if self._best is None else self._best.keep}, "
                 f"backend={self.backend!r}, incremental={self.incremental}, steps={self.steps()})")
+
+
+LATEST_ATTEMPTS = 3
+"""Reads of "the latest step" (``restore``, ``info`` without ``step``) from a directory
+another process saves into (an evaluation job beside a training job): a step pruned by the
+saver's ``keep_last`` between the listing and the read is gone, and the latest step is read
+instead, at most this many times. Nothing is installed from a read that fails."""
 
 
 def _check_step(step: Any) -> int:
