@@ -11,9 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from torch_optional import needs_torch
 
 import lean_store as ls
 from lean_store.training import checkpointer as checkpointer_module
+
+pytestmark = needs_torch  # training checkpoints are saved through torch
 
 
 def _state(step: int) -> dict[str, np.ndarray]:
