@@ -86,7 +86,6 @@ def model_file_of(path: str | os.PathLike) -> Path | None:
     return legacy if legacy.is_file() else None
 
 
-
 _ZIP_MEMBERS = 100_000  # members of a zip archive looked at, at most
 _HEAD = 64
 

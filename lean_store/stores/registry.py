@@ -150,17 +150,17 @@ def open_reader(path: Any, backend: str | None = None,
     path = checkpoint_path(path, stores=True)
     if storage_options is not None and not is_url(path):
         raise CheckpointError("storage_options apply to URLs (s3://..., file://...) only")
+    local = isinstance(path, (str, os.PathLike)) and not is_url(path)
     if backend is None:
         backend = detect_backend(path)
-    elif isinstance(path, (str, os.PathLike)) and not is_url(path):
+    elif local:
         check_checkpoint_path(path)
     try:
         return backend_record(backend).reader(path, storage_options=storage_options)
     except IntegrityError:
         # removed since it was found (a Checkpointer pruning the step a reader picked): gone,
         # not damaged (libhdf5 says "unable to open file", a walk "changed while read")
-        if isinstance(path, (str, os.PathLike)) and not is_url(path) and not os.path.lexists(
-                path):
+        if local and not os.path.lexists(path):
             raise CheckpointError(f"no checkpoint at {path}: the path does not exist (removed "
                                   "while it was being opened)") from None
         raise

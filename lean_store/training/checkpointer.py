@@ -475,19 +475,15 @@ class Checkpointer:
                                  data=data, rng=rng, generators=generators,
                                  scheduled=scheduled, process_group=self.process_group,
                                  scaler=scaler)
-        for attempt in range(LATEST_ATTEMPTS):
-            path = self._find(step)
+
+        def restore_at(path: Path) -> TrainingInfo:
             try:
                 return load_training(path, model=model, optimizer=optimizer,
                                      scheduler=scheduler, data=data, rng=rng,
                                      generators=generators, scheduled=scheduled, scaler=scaler)
-            except CheckpointError as exc:
-                if step is None and attempt + 1 < LATEST_ATTEMPTS and not os.path.lexists(path):
-                    continue  # pruned while it was read (another process saves on): the latest
-                if not isinstance(exc, IntegrityError):
-                    raise
+            except IntegrityError as exc:
                 older = self.steps()[:-1]  # the latest was restored: the steps before it
-                if step is not None or not older:
+                if step is not None or not older or not os.path.lexists(path):
                     raise
                 raise type(exc)(
                     f"{exc}\nThe latest step ({path.name}) cannot be restored; nothing was "
@@ -495,20 +491,26 @@ class Checkpointer:
                     f"restore it with restore(step={older[-1]}, ...), then remove the damaged "
                     f"step with discard_after({older[-1]}) (or move it away) before saving the "
                     "following steps") from exc
-        raise AssertionError("unreachable: the last attempt raises")  # pragma: no cover
+
+        return self._read_step(step, restore_at)
 
     def info(self, step: int | None = None) -> TrainingInfo:
         """What ``step`` (default: the latest) says besides its tensors (its ``extra``, data
         position, ...), read without changing anything (:func:`training_info`): to choose a
         step by a metric kept in ``extra``."""
         self.wait()
+        return self._read_step(step, training_info)
+
+    def _read_step(self, step: int | None, read: Callable[[Path], T]) -> T:
+        """``read`` of ``step``'s path; without ``step``, of the latest, read again as the
+        latest then when the one read was pruned meanwhile (:data:`LATEST_ATTEMPTS`)."""
         for attempt in range(LATEST_ATTEMPTS):
             path = self._find(step)
             try:
-                return training_info(path)
+                return read(path)
             except CheckpointError:
                 if step is None and attempt + 1 < LATEST_ATTEMPTS and not os.path.lexists(path):
-                    continue  # pruned while it was read: the latest now
+                    continue  # pruned while it was read (another process saves on)
                 raise
         raise AssertionError("unreachable: the last attempt raises")  # pragma: no cover
 
